@@ -1,0 +1,1 @@
+"""Process-reward scorers (layer 3)."""
