@@ -1,0 +1,600 @@
+"""Typed trainer configuration: dataclasses, YAML loading, dotted overrides and validation.
+
+``load_config(path, overrides)`` builds a :class:`TrainConfig` from the embedded defaults, then a
+YAML file (optional), then ``key.sub=value`` overrides whose values are parsed as YAML scalars.
+Every problem is reported at load time as a :class:`ConfigError` naming the dotted key and the
+allowed values; an unknown key is treated as a typo and answered with a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "ServerConfig",
+    "RolloutConfig",
+    "EnvConfig",
+    "ScorerSpec",
+    "ShapingConfig",
+    "PRMSection",
+    "AdvantageSection",
+    "OptimizerConfig",
+    "PPOConfig",
+    "WarmStartConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "MeshConfig",
+    "DistributedConfig",
+    "TrainConfig",
+    "load_config",
+    "apply_overrides",
+    "from_dict",
+    "to_dict",
+    "dump_yaml",
+    "config_hash",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message names the dotted key."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The policy. ``name`` is a preset (``tiny``, ``smollm2-135m``) or a path to an HF directory
+    or a ``.gguf`` file. ``overrides`` are passed to the tiny preset's architecture (e.g. layers)."""
+
+    name: str = "tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Generation server: ``embedded`` starts ``jaxprm.serve`` in-process on a free loopback port;
+    ``external`` talks to running vLLM / SGLang servers at ``urls``."""
+
+    kind: Literal["embedded", "external"] = "embedded"
+    urls: list[str] = dataclasses.field(default_factory=list)
+    dialect: Literal["vllm", "sglang"] = "vllm"
+    model_name: str | None = None
+    api_key: str | None = None
+    token_backed: bool = True
+    timeout_s: float = 120.0
+    max_retries: int = 3
+    concurrency: int = 64
+    max_batch: int = 64
+    batch_window_ms: float = 5.0
+    weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step."""
+
+    strategy: Literal["flat", "tree_random", "patr"] = "patr"
+    tasks_per_step: int = 16
+    group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
+    b0: int = 4
+    k: int = 5
+    m: int = 2
+    top_k: int = 2
+    alpha: float = 0.5
+    theta: int = 6
+    max_branches: int | None = None
+    keep: Literal["keep_all", "best_n"] = "keep_all"
+    refill: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    export: Literal["concat", "individual"] = "concat"
+    filter: Literal[
+        "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
+    ] = "none"
+    branch_scorer: str = "scorers.FrozenLakeProgressScorer"
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``."""
+
+    name: Literal["frozenlake"] = "frozenlake"
+    size: int = 4
+    p: float = 0.8  # probability that a cell is frozen (gymnasium's convention)
+    max_turns: int = 10
+    train_tasks: int = 2048
+    eval_tasks: int = 64
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ScorerSpec:
+    path: str = ""
+    weight: float = 1.0
+    enabled: bool = True
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ShapingConfig:
+    mode: Literal["additive", "gvpo", "process_weighted"] = "additive"
+    negative_scale: float = 0.2
+    zero_penalty: float = 0.4
+    zero_eps: float = 1e-6
+
+
+@dataclasses.dataclass
+class PRMSection:
+    """Process-reward scoring of finished branches (``scorers.PRMRunner``)."""
+
+    enabled: bool = False
+    scorers: list[ScorerSpec] = dataclasses.field(default_factory=list)
+    advantage_shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and any(s.enabled for s in self.scorers)
+
+
+@dataclasses.dataclass
+class AdvantageSection:
+    """Reward processing and advantages (``jaxprm.AdvantageConfig``; the shaping mode and its
+    numbers come from ``prm.advantage_shaping``)."""
+
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    group_reward_norm: bool = True
+    group_reward_std: bool = True
+    kl_ctl: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    gamma: float = 1.0
+    lam: float = 1.0
+    gae_method: Literal["scan", "associative"] = "scan"
+    adv_mean_level: Literal["batch", "group"] | None = "batch"
+    adv_std_level: Literal["batch", "group"] | None = "batch"
+    adv_unbiased: bool = True
+    adv_eps: float = 1e-5
+    token_rewards_as_adv: bool = True
+    mask_no_eos_with_zero: bool = False
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW with global-norm gradient clipping and a warmup + cosine/constant schedule."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    """PPO epochs over minibatches, all inside one jitted step."""
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    eps_clip: float = 0.2
+    eps_clip_higher: float | None = None
+    c_clip: float | None = None
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
+    len_buckets: list[int] = dataclasses.field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm start on noisy generated demonstrations (cached by config hash)."""
+
+    enabled: bool = True
+    num_demos: int = 2048
+    optimal_prob: float = 0.5  # probability of taking a BFS-optimal action at each turn
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    cache_dir: str = "~/.cache/jaxprm/warmstart"
+    seed: int = 1234
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every_steps: int = 10
+    num_tasks: int = 64
+    samples: int = 4
+    greedy: bool = True
+    at_start: bool = True
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 5
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh for the train step: ``data`` x ``fsdp`` (-1 on one axis = all remaining)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Multi-host: ``jax.distributed.initialize`` is called when ``enabled``."""
+
+    enabled: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    prm: PRMSection = dataclasses.field(default_factory=PRMSection)
+    advantage: AdvantageSection = dataclasses.field(default_factory=AdvantageSection)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    steps: int = 40
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 1
+    progress: bool = True
+    plots: bool = True
+    export_final: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# dict <-> dataclass
+# --------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            return tp()
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
+            raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: must not be null (expected {_type_name(tp)})")
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: got {value!r}; expected {_type_name(tp)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, str):
+                try:
+                    return float(value)  # YAML 1.1 reads "1e-4" as a string
+                except ValueError:
+                    pass
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping; unknown keys raise with a "did you mean" hint."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise ConfigError(
+                f"unknown config key {key!r}{_suggest(str(name), list(fields))} "
+                f"(keys of {prefix or 'the top level'}: {', '.join(fields)})"
+            )
+        kwargs[name] = _convert(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def config_hash(obj: Any) -> str:
+    """A short stable hash of a config (dataclass or JSON-like data)."""
+    data = to_dict(obj) if dataclasses.is_dataclass(obj) else obj
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, schema: type = None) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place.
+
+    Keys are checked against the dataclass ``schema`` as they are walked so a typo names the
+    bad segment and a suggestion.
+    """
+    schema = schema or TrainConfig
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like key.sub=value")
+        key, text = ov.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"override {ov!r}: empty key segment")
+        node, cls = data, schema
+        for i, part in enumerate(parts):
+            path = ".".join(parts[: i + 1])
+            if cls is not None and dataclasses.is_dataclass(cls):
+                names = [f.name for f in dataclasses.fields(cls)]
+                if part not in names:
+                    raise ConfigError(f"unknown config key {path!r}{_suggest(part, [*names])}")
+                tp = typing.get_type_hints(cls)[part]
+                nxt = tp if dataclasses.is_dataclass(tp) else None
+            else:
+                nxt = None
+            if i == len(parts) - 1:
+                node[part] = _parse_scalar(text)
+            else:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+                cls = nxt
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _positive(cfg: Any, section: str, *names: str, allow_zero: bool = False) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        if v is None:
+            continue
+        ok = v >= 0 if allow_zero else v > 0
+        _check(ok and math.isfinite(v), f"{section}.{n}", f"must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+
+
+def validate_prm(cfg: TrainConfig) -> None:
+    """The process-reward rules (DESIGN.md, process-rewards spec), keyed by config path."""
+    prm = cfg.prm
+    sh = prm.advantage_shaping
+    for n in ("negative_scale", "zero_penalty", "zero_eps"):
+        v = getattr(sh, n)
+        _check(math.isfinite(v) and v >= 0, f"prm.advantage_shaping.{n}", f"must be finite and >= 0, got {v!r}")
+    names = set()
+    for i, s in enumerate(prm.scorers):
+        _check(bool(s.path) and "." in s.path, f"prm.scorers[{i}].path",
+               f"must be a dotted path package.module.Class, got {s.path!r}")
+        _check(math.isfinite(s.weight), f"prm.scorers[{i}].weight", f"must be finite, got {s.weight!r}")
+        names.add(s.path)
+    if not prm.active:
+        return
+    _check(cfg.rollout.export == "concat", "rollout.export",
+           f"active process-reward scorers need concat export; got {cfg.rollout.export!r} (allowed: 'concat')")
+    _check(cfg.advantage.token_rewards_as_adv, "advantage.token_rewards_as_adv",
+           "active process-reward scorers need direct process advantages (true); folded mode is rejected")
+    _check(cfg.server.token_backed, "server.token_backed",
+           "active process-reward scorers need token-backed interactions; a string-only external backend "
+           "is rejected (set prm.enabled=false or use a token-backed server)")
+    if sh.mode == "process_weighted":
+        _check(not cfg.advantage.mask_no_eos_with_zero, "advantage.mask_no_eos_with_zero",
+               "prm.advantage_shaping.mode='process_weighted' rejects mask_no_eos_with_zero: true")
+    try:  # the scorers package's own validator, when present
+        import scorers
+
+        fn = getattr(scorers, "validate_prm_config", None)
+    except ImportError:  # pragma: no cover - scorers is part of this project
+        fn = None
+    if fn is not None:
+        from jaxprm.train import compat
+
+        compat.call_validate_prm_config(fn, cfg)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Range and cross-field checks; raises :class:`ConfigError` naming the key."""
+    _check(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
+    _positive(cfg, "", "log_every")
+    r = cfg.rollout
+    _positive(r, "rollout", "tasks_per_step", "group_size", "b0", "k", "m", "top_k", "theta", "max_new_tokens", "max_branches")
+    _positive(r, "rollout", "alpha", allow_zero=True)
+    _check(0 < r.temperature <= 10, "rollout.temperature", f"must be in (0, 10], got {r.temperature}")
+    _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _check(r.top_k <= max(r.b0, 1) * 64, "rollout.top_k", "unreasonably large")
+    if r.strategy != "flat":
+        budget = r.max_branches or r.group_size
+        _check(budget >= r.b0, "rollout.max_branches", f"the branch budget ({budget}) must be >= rollout.b0 ({r.b0})")
+    e = cfg.env
+    _check(2 <= e.size <= 16, "env.size", f"must be in [2, 16], got {e.size}")
+    _check(0 < e.p <= 1, "env.p", f"must be in (0, 1], got {e.p}")
+    _positive(e, "env", "max_turns", "train_tasks", "eval_tasks")
+    a = cfg.advantage
+    _check(a.reward_scale != 0 and math.isfinite(a.reward_scale), "advantage.reward_scale", "must be finite and != 0")
+    _positive(a, "advantage", "reward_clip")
+    _positive(a, "advantage", "kl_ctl", allow_zero=True)
+    _check(0 <= a.gamma <= 1, "advantage.gamma", f"must be in [0, 1], got {a.gamma}")
+    _check(0 <= a.lam <= 1, "advantage.lam", f"must be in [0, 1], got {a.lam}")
+    o = cfg.optimizer
+    _positive(o, "optimizer", "lr", "grad_clip", "eps")
+    _positive(o, "optimizer", "weight_decay", "warmup_steps", allow_zero=True)
+    _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", "must be in [0, 1)")
+    _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    p = cfg.ppo
+    _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows")
+    _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", f"dual clip must be > 1 (or null), got {p.c_clip}")
+    _check(bool(p.len_buckets) and all(b > 0 for b in p.len_buckets), "ppo.len_buckets", "must be a non-empty list of positive ints")
+    if p.max_rows is not None:
+        _check(p.max_rows % p.num_minibatches == 0, "ppo.max_rows",
+               f"must be divisible by ppo.num_minibatches ({p.num_minibatches}), got {p.max_rows}")
+    w = cfg.warm_start
+    _positive(w, "warm_start", "num_demos", "steps", "batch_size", "lr")
+    _check(0 <= w.optimal_prob <= 1, "warm_start.optimal_prob", f"must be in [0, 1], got {w.optimal_prob}")
+    ev = cfg.eval
+    _positive(ev, "eval", "every_steps", "num_tasks", "samples", "temperature")
+    _check(ev.num_tasks <= e.eval_tasks, "eval.num_tasks", f"must be <= env.eval_tasks ({e.eval_tasks})")
+    _positive(cfg.checkpoint, "checkpoint", "every_steps", "keep")
+    m = cfg.mesh
+    for n in ("data", "fsdp"):
+        v = getattr(m, n)
+        _check(v == -1 or v >= 1, f"mesh.{n}", f"must be -1 (all remaining devices) or >= 1, got {v}")
+    _check(not (m.data == -1 and m.fsdp == -1), "mesh", "at most one axis may be -1")
+    s = cfg.server
+    if s.kind == "external":
+        _check(bool(s.urls), "server.urls", "an external server needs at least one URL (http://host:port)")
+        for i, u in enumerate(s.urls):
+            _check(u.startswith(("http://", "https://")), f"server.urls[{i}]", f"must start with http:// or https://, got {u!r}")
+    _positive(s, "server", "timeout_s", "concurrency", "max_batch")
+    _positive(s, "server", "max_retries", "batch_window_ms", allow_zero=True)
+    d = cfg.distributed
+    if d.enabled and d.coordinator_address is not None:
+        _check(d.num_processes is not None and d.process_id is not None, "distributed",
+               "coordinator_address needs num_processes and process_id")
+    validate_prm(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _deep_merge(base: dict[str, Any], upd: dict[str, Any]) -> dict[str, Any]:
+    for k, v in upd.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in ("overrides", "kwargs"):
+            _deep_merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults <- YAML file <- dotted overrides, then :func:`validate`."""
+    data = to_dict(TrainConfig())
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {p}: top level must be a mapping")
+        # Check keys against the schema before merging so a typo is named precisely.
+        from_dict(TrainConfig, _deep_merge(to_dict(TrainConfig()), loaded))
+        _deep_merge(data, loaded)
+    apply_overrides(data, list(overrides or []))
+    cfg = from_dict(TrainConfig, data)
+    return validate(cfg)

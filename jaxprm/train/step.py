@@ -1,0 +1,279 @@
+"""The PPO train step: epochs x minibatches of policy-loss updates in one jitted program.
+
+``TrainStep`` owns the jitted function. Its inputs have fixed shapes per bucket (rows ``B`` fixed by
+``ppo.max_rows``, length ``T`` from ``ppo.len_buckets``), so steady-state training never recompiles.
+
+Per epoch the real rows (``row_weights > 0``) are shuffled to the front, then split into
+``num_minibatches`` minibatches of ``B / num_minibatches`` row slots each; the real rows are spread
+evenly over the minibatches (``ceil(n_real / num_minibatches)`` per minibatch) and the other slots
+are masked out. A minibatch without an active token leaves params and optimizer state unchanged.
+
+Sharding: with a ``jax.sharding.Mesh`` of axes ``("data", "fsdp")`` the batch rows are split over
+both axes and each parameter is split over ``fsdp`` along its largest divisible dimension
+(replicated over ``data``); XLA inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+__all__ = [
+    "TrainState",
+    "TrainStep",
+    "make_optimizer",
+    "make_schedule",
+    "make_mesh",
+    "shard_params",
+    "gather_logprobs",
+    "step_inputs",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything the learner updates (a pytree): params, optimizer state, step counter."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def make_schedule(cfg) -> optax.Schedule:
+    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then constant or cosine decay to
+    ``lr * min_lr_ratio`` at ``total_steps`` (counted in optimizer updates)."""
+    lr, warm = cfg.optimizer.lr, cfg.optimizer.warmup_steps
+    total_updates = max(1, cfg.steps * cfg.ppo.epochs * cfg.ppo.num_minibatches)
+    if cfg.optimizer.schedule == "constant":
+        if warm == 0:
+            return optax.constant_schedule(lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warm), optax.constant_schedule(lr)], [warm]
+        )
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warm else lr,
+        peak_value=lr,
+        warmup_steps=warm,
+        decay_steps=max(total_updates, warm + 1),
+        end_value=lr * cfg.optimizer.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping, ``cfg`` a :class:`~jaxprm.train.config.TrainConfig`."""
+    o = cfg.optimizer
+    return optax.chain(
+        optax.clip_by_global_norm(o.grad_clip),
+        optax.adamw(make_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+    )
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
+    """A ``("data", "fsdp")`` mesh over ``devices`` (default all); ``-1`` fills the remainder."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if data == -1:
+        if n % fsdp:
+            raise ValueError(f"mesh.fsdp={fsdp} does not divide the {n} devices")
+        data = n // fsdp
+    elif fsdp == -1:
+        if n % data:
+            raise ValueError(f"mesh.data={data} does not divide the {n} devices")
+        fsdp = n // data
+    if data * fsdp > n:
+        raise ValueError(f"mesh data*fsdp = {data}*{fsdp} needs {data * fsdp} devices; {n} available")
+    arr = np.asarray(devices[: data * fsdp]).reshape(data, fsdp)
+    return Mesh(arr, ("data", "fsdp"))
+
+
+def _param_spec(x: jax.Array, fsdp: int) -> P:
+    if fsdp <= 1 or not hasattr(x, "shape") or x.ndim == 0:
+        return P()
+    dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+    for d in dims:
+        if x.shape[d] % fsdp == 0:
+            spec = [None] * x.ndim
+            spec[d] = "fsdp"
+            return P(*spec)
+    return P()
+
+
+def shard_params(tree: Any, mesh: Mesh) -> Any:
+    """Shardings for a params-like pytree: FSDP over the largest divisible dim, else replicated."""
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
+
+
+def gather_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``out[b, t] = log_softmax(logits[b, t])[tokens[b, t+1]]`` in float32, 0 in the last column.
+
+    Shapes: logits ``[B, T, V]``, tokens ``[B, T]`` -> ``[B, T]`` (prediction positions).
+    """
+    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nxt = tokens[:, 1:]
+    out = jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0]
+    return jnp.pad(out, ((0, 0), (0, 1)))
+
+
+def step_inputs(batch, advantages) -> dict[str, jax.Array]:
+    """The arrays the train step reads from a ``jaxprm.Batch`` plus advantages ``[B, T]``."""
+    return {
+        "tokens": batch.tokens,
+        "loss_mask": batch.loss_mask * batch.row_weights[:, None],
+        "old_logprobs": batch.old_logprobs,
+        "advantages": advantages.astype(jnp.float32),
+        "row_weights": batch.row_weights,
+    }
+
+
+def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+    B = data["tokens"].shape[0]
+    per_mb = (n_real + n_mb - 1) // n_mb
+    i = jnp.arange(mb_rows)
+    pos = k * per_mb + i
+    valid = (i < per_mb) & (pos < n_real)
+    idx = order[jnp.clip(pos, 0, B - 1)]
+    mb = {name: jnp.take(v, idx, axis=0) for name, v in data.items()}
+    mb["loss_mask"] = mb["loss_mask"] * valid[:, None].astype(mb["loss_mask"].dtype)
+    return mb
+
+
+class TrainStep:
+    """Builds and owns the jitted PPO step.
+
+    Args:
+      apply_fn: ``apply_fn(params, tokens[B, T], positions[B, T]) -> logits[B, T, V]``.
+      optimizer: an optax transformation.
+      loss_fn: ``loss_fn(logprobs, old_logprobs, advantages, mask, **loss_kwargs) -> (loss, metrics)``
+        (normally ``jaxprm.policy_loss``).
+      epochs, num_minibatches: PPO passes over the batch and minibatches per pass.
+      loss_kwargs: static keyword options for ``loss_fn`` (eps_clip, eps_clip_higher, c_clip, agg).
+      mesh: optional ``("data", "fsdp")`` mesh.
+    """
+
+    def __init__(
+        self,
+        apply_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable,
+        *,
+        epochs: int = 1,
+        num_minibatches: int = 1,
+        loss_kwargs: dict | None = None,
+        mesh: Mesh | None = None,
+        logprob_fn: Callable = gather_logprobs,
+    ) -> None:
+        self.apply_fn = apply_fn
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.epochs = int(epochs)
+        self.num_minibatches = int(num_minibatches)
+        self.loss_kwargs = dict(loss_kwargs or {})
+        self.mesh = mesh
+        self.logprob_fn = logprob_fn
+        self.compiles = 0  # number of traces of the step (one per distinct input shape)
+        self._jitted = None
+        self._state_shardings = None
+
+    # -- state -------------------------------------------------------------------------------
+    def init_state(self, params: Any) -> TrainState:
+        state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32))
+        if self.mesh is not None:
+            state = jax.device_put(state, self.state_shardings(state))
+        return state
+
+    def state_shardings(self, state: TrainState):
+        if self._state_shardings is None:
+            assert self.mesh is not None
+            self._state_shardings = shard_params(state, self.mesh)
+        return self._state_shardings
+
+    def batch_sharding(self) -> NamedSharding | None:
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, P(("data", "fsdp")))
+
+    # -- the step ----------------------------------------------------------------------------
+    def _step(self, state: TrainState, data: dict, rng: jax.Array):
+        self.compiles += 1  # runs at trace time only
+        B, T = data["tokens"].shape
+        n_mb = self.num_minibatches
+        if B % n_mb:
+            raise ValueError(f"batch rows {B} not divisible by ppo.num_minibatches={n_mb}")
+        mb_rows = B // n_mb
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (mb_rows, T))
+        real = data["row_weights"] > 0
+        n_real = real.sum().astype(jnp.int32)
+
+        def loss_of(params, mb):
+            logits = self.apply_fn(params, mb["tokens"], positions)
+            logp = self.logprob_fn(logits, mb["tokens"])
+            loss, metrics = self.loss_fn(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], **self.loss_kwargs)
+            ent_mask = mb["loss_mask"]
+            return loss, (metrics, logp, ent_mask)
+
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+        def mb_update(carry, xs):
+            params, opt_state = carry
+            order, k = xs
+            mb = _minibatch(data, order, n_real, k, mb_rows, n_mb)
+            (loss, (metrics, logp, mask)), grads = grad_fn(params, mb)
+            gnorm = optax.global_norm(grads)
+            updates, new_opt = self.optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            active = mask.sum() > 0
+            keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
+            params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, new_opt, opt_state)
+            scalars = {k2: v for k2, v in metrics.items() if jnp.ndim(v) == 0}
+            out = {"loss": loss, "grad_norm": gnorm, "active": active.astype(jnp.float32),
+                   "tokens": mask.sum(), **scalars}
+            return (params, opt_state), out
+
+        def epoch(carry, key):
+            u = jax.random.uniform(key, (B,))
+            order = jnp.argsort(jnp.where(real, u, 2.0))
+            orders = jnp.broadcast_to(order, (n_mb, B))
+            return jax.lax.scan(mb_update, carry, (orders, jnp.arange(n_mb)))
+
+        keys = jax.random.split(rng, self.epochs)
+        (params, opt_state), outs = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
+        w = outs["active"]
+        denom = jnp.maximum(w.sum(), 1.0)
+        metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "tokens")}
+        metrics["updates"] = w.sum()
+        metrics["trained_tokens"] = outs["tokens"].sum() / self.epochs
+        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
+        return new_state, metrics
+
+    def _build(self, state: TrainState):
+        if self.mesh is None:
+            return jax.jit(self._step, donate_argnums=(0,))
+        st = self.state_shardings(state)
+        bs = self.batch_sharding()
+        rep = NamedSharding(self.mesh, P())
+        return jax.jit(self._step, in_shardings=(st, bs, rep), out_shardings=(st, rep), donate_argnums=(0,))
+
+    def __call__(self, state: TrainState, data: dict, rng: jax.Array):
+        """One learner step on ``data`` (see :func:`step_inputs`); returns ``(state, metrics)``."""
+        if self._jitted is None:
+            self._jitted = self._build(state)
+        if self.mesh is not None:
+            data = jax.device_put(data, self.batch_sharding())
+            with self.mesh:
+                return self._jitted(state, data, rng)
+        return self._jitted(state, data, rng)
+
+
+def param_count(params: Any) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params) if hasattr(x, "shape")))
