@@ -1,0 +1,189 @@
+"""``compute_advantages``: the whole reward -> advantage pipeline as one jitted program."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxprm._checks import check_choice
+from jaxprm.batch import Batch
+from jaxprm.gae import GAE_METHODS, gae
+from jaxprm.normalize import NORM_LEVELS, group_normalize_rewards, normalize
+from jaxprm.rewards import KL_ESTIMATORS, fold_turn_rewards, kl_penalty, place_outcome_rewards, transform_outcome_rewards
+from jaxprm.shaping import SHAPING_MODES, shape_advantages
+
+__all__ = ["AdvantageConfig", "Advantages", "compute_advantages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """Static options of ``compute_advantages`` (hashable: one compilation per config).
+
+    Attributes:
+      reward_scale, reward_bias, reward_clip: outcome transform ``clip((r + bias) * scale, ±clip)``.
+      group_reward_norm: normalize outcome rewards within each group (GRPO) after the transform.
+      group_reward_std: divide by the group std in that normalization (Dr.GRPO sets False).
+      kl_ctl: coefficient of the per-token KL reward ``-kl_ctl * KL(old, ref)`` (0 disables it).
+      kl_estimator: ``"k1" | "k2" | "k3"``.
+      gamma, lam: GAE discount and lambda.
+      gae_method: ``"scan" | "associative"``.
+      adv_mean_level, adv_std_level: advantage normalization levels (``"batch" | "group" | None``).
+      adv_unbiased, adv_eps: unbiased std and epsilon of that normalization.
+      shaping_mode: ``None`` (ignore process rewards) or ``"additive" | "gvpo" | "process_weighted"``.
+      negative_scale, zero_penalty, zero_eps: gvpo parameters.
+      token_rewards_as_adv: True = direct mode (process rewards shape advantages after GAE and
+        normalization, never enter returns). False = folded mode (each turn's uniform process reward
+        is added once at its last prediction position before GAE; ``shaping_mode`` is unused).
+      mask_no_eos_with_zero: zero the outcome and process rewards of truncated rows.
+      validate: check process rewards (finite; in [0, 1] for process_weighted) with a clear error.
+    """
+
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    group_reward_norm: bool = False
+    group_reward_std: bool = True
+    kl_ctl: float = 0.0
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 1.0
+    gae_method: str = "scan"
+    adv_mean_level: str | None = "batch"
+    adv_std_level: str | None = "batch"
+    adv_unbiased: bool = True
+    adv_eps: float = 1e-5
+    shaping_mode: str | None = None
+    negative_scale: float = 0.2
+    zero_penalty: float = 0.4
+    zero_eps: float = 1e-6
+    token_rewards_as_adv: bool = True
+    mask_no_eos_with_zero: bool = False
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_choice("gae_method", self.gae_method, GAE_METHODS)
+        check_choice("adv_mean_level", self.adv_mean_level, NORM_LEVELS)
+        check_choice("adv_std_level", self.adv_std_level, NORM_LEVELS)
+        check_choice("shaping_mode", self.shaping_mode, (None, *SHAPING_MODES))
+        for name in ("negative_scale", "zero_penalty", "zero_eps", "adv_eps", "reward_clip", "kl_ctl"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v <= 1):
+                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        if self.shaping_mode == "process_weighted" and self.mask_no_eos_with_zero:
+            raise ValueError(
+                "shaping_mode='process_weighted' rejects mask_no_eos_with_zero=True "
+                "(zeroed rewards would erase the negative advantages of truncated rows)"
+            )
+
+
+class Advantages(NamedTuple):
+    """Outputs of ``compute_advantages``; ``[B, T]`` in prediction positions unless noted."""
+
+    advantages: jax.Array  # final advantages for the policy loss
+    returns: jax.Array  # GAE returns (critic targets)
+    rewards: jax.Array  # per-token rewards GAE saw: KL reward + outcome (+ folded process)
+    kl_rewards: jax.Array  # -kl_ctl * KL, 0 off the mask
+    outcome_rewards: jax.Array  # [B] transformed (and group-normalized) outcome rewards
+    token_advantages: jax.Array  # process rewards used for shaping (0 in folded mode)
+    advantages_gae: jax.Array  # GAE advantages before normalization
+    advantages_normalized: jax.Array  # after normalization, before shaping
+
+
+def _compute_advantages(batch: Batch, config: AdvantageConfig) -> Advantages:
+    B, T = batch.tokens.shape
+    # float32 math; float64 only when the batch is float64 (x64 reference runs).
+    dt = jnp.result_type(batch.old_logprobs, batch.process_rewards, batch.outcome_rewards, jnp.float32)
+    mask = batch.loss_mask.astype(dt)
+    weights = batch.row_weights.astype(dt)
+    truncated = batch.truncated.astype(bool)
+
+    # 1. Outcome rewards: transform, optional GRPO group normalization, truncation zeroing.
+    r = transform_outcome_rewards(
+        batch.outcome_rewards.astype(dt), scale=config.reward_scale, bias=config.reward_bias, clip=config.reward_clip
+    )
+    if config.group_reward_norm:
+        r = group_normalize_rewards(
+            r, batch.group_ids, batch.num_groups, std=config.group_reward_std, weights=weights
+        )
+    keep = (~truncated if config.mask_no_eos_with_zero else jnp.ones((B,), bool)) & (weights > 0)
+    r = jnp.where(keep, r, 0.0)
+
+    # 2. KL reward on active tokens, then the outcome at the last prediction position.
+    if config.kl_ctl > 0:
+        kl = kl_penalty(batch.old_logprobs.astype(dt), batch.ref_logprobs.astype(dt),
+                        estimator=config.kl_estimator)
+        kl_rewards = -config.kl_ctl * kl * mask
+    else:
+        kl_rewards = jnp.zeros((B, T), dt)
+    rewards = kl_rewards + place_outcome_rewards(r, batch.seq_lens, T)
+
+    # 3. Process rewards (already in prediction positions); zero for truncated rows if asked.
+    proc = batch.process_rewards.astype(dt) * mask * keep[:, None]
+    use_process = config.shaping_mode is not None or not config.token_rewards_as_adv
+    if use_process and not config.token_rewards_as_adv:
+        rewards = fold_turn_rewards(rewards, proc, mask, batch.turn_ids)
+        token_adv = jnp.zeros_like(proc)
+    else:
+        token_adv = proc if config.shaping_mode is not None else jnp.zeros_like(proc)
+
+    # 4. GAE; truncated rows bootstrap from the value at their last position.
+    values = batch.values.astype(dt)
+    last = jnp.clip(batch.seq_lens - 1, 0, T - 1)
+    boot = jnp.where(truncated, jnp.take_along_axis(values, last[:, None], axis=1)[:, 0], 0.0)
+    adv_gae, returns = gae(rewards, values, mask, gamma=config.gamma, lam=config.lam,
+                           method=config.gae_method, bootstrap_values=boot)
+
+    # 5. Advantage normalization, then direct process-reward shaping.
+    adv_norm = normalize(
+        adv_gae, mask, group_ids=batch.group_ids, num_groups=batch.num_groups,
+        mean_level=config.adv_mean_level, std_level=config.adv_std_level,
+        unbiased=config.adv_unbiased, eps=config.adv_eps, row_weights=weights,
+    )
+    if config.token_rewards_as_adv and config.shaping_mode is not None:
+        adv = shape_advantages(
+            adv_norm, token_adv, mask, mode=config.shaping_mode, negative_scale=config.negative_scale,
+            zero_penalty=config.zero_penalty, zero_eps=config.zero_eps, validate=config.validate,
+        )
+    else:
+        adv = adv_norm
+    return Advantages(
+        advantages=adv, returns=returns, rewards=rewards, kl_rewards=kl_rewards, outcome_rewards=r,
+        token_advantages=token_adv, advantages_gae=adv_gae, advantages_normalized=adv_norm,
+    )
+
+
+_compute_advantages_jit = jax.jit(_compute_advantages, static_argnames=("config",))
+
+
+def compute_advantages(batch: Batch, config: AdvantageConfig = AdvantageConfig()) -> Advantages:
+    """Rewards -> advantages for one ``Batch``, in one jitted program (reference order).
+
+    1. ``r = clip((r + bias) * scale, ±clip)``; optional per-group normalization over real rows;
+       with ``mask_no_eos_with_zero`` truncated rows get ``r = 0`` (and no process reward).
+    2. ``rewards = -kl_ctl * KL(old_logprobs, ref_logprobs) * mask``, plus ``r`` at index
+       ``seq_len - 2`` of each row.
+    3. Folded mode: each turn's uniform process reward is added at its last prediction position.
+    4. ``advantages, returns = gae(rewards, values, mask)``; truncated rows bootstrap from their
+       last value.
+    5. ``normalize`` the advantages (levels from the config), then (direct mode)
+       ``shape_advantages`` with the process rewards.
+
+    Compiles once per (shape, config); ``config`` must be an ``AdvantageConfig`` (hashable).
+
+    Returns:
+      ``Advantages`` (``advantages``, ``returns`` and the intermediate arrays).
+    """
+    if not isinstance(config, AdvantageConfig):
+        raise TypeError(f"config must be an AdvantageConfig, got {type(config).__name__}")
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be a jaxprm.Batch, got {type(batch).__name__}")
+    return _compute_advantages_jit(batch, config)
