@@ -315,7 +315,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-            raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}")
+            hint = _suggest(str(value), [str(a) for a in allowed]) if isinstance(value, str) else ""
+            raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}{hint}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

@@ -1,0 +1,131 @@
+"""Trainer config: YAML + dotted overrides, typed conversion, validation errors that name the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxprm.train.config import ConfigError, TrainConfig, config_hash, dump_yaml, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_defaults_load_and_roundtrip(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.model.name == "tiny" and cfg.rollout.strategy == "patr" and not cfg.prm.active
+    f = tmp_path / "c.yaml"
+    f.write_text(dump_yaml(cfg))
+    again = load_config(f)
+    assert again == cfg and config_hash(again) == config_hash(cfg)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_example_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.run_dir
+
+
+def test_expected_example_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"default.yaml", "default_prm.yaml", "flat_grpo.yaml", "tree_random.yaml",
+            "smollm2_frozenlake.yaml", "external_server.yaml"} <= names
+    assert load_config(ROOT / "configs/default_prm.yaml").prm.active
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = load_config(None, ["optimizer.lr=3e-4", "rollout.strategy=flat", "ppo.c_clip=3",
+                             "ppo.eps_clip_higher=null", "server.urls=[http://a:1, http://b:2]",
+                             "model.overrides={layers: 3}", "progress=false"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.rollout.strategy == "flat"
+    assert cfg.ppo.c_clip == 3.0 and isinstance(cfg.ppo.c_clip, float)
+    assert cfg.ppo.eps_clip_higher is None
+    assert cfg.server.urls == ["http://a:1", "http://b:2"]
+    assert cfg.model.overrides == {"layers": 3}
+    assert cfg.progress is False
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"rollout": {"strategy": "tree_random", "b0": 2}, "steps": 7}))
+    cfg = load_config(f, ["steps=9"])
+    assert cfg.rollout.strategy == "tree_random" and cfg.rollout.b0 == 2 and cfg.steps == 9
+    assert cfg.rollout.m == 2  # untouched defaults survive a partial section
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["rolout.strategy=flat"], "did you mean 'rollout'"),
+        (["rollout.strategey=flat"], "did you mean 'strategy'"),
+        (["rollout.strategy=patrr"], "allowed values: 'flat', 'tree_random', 'patr'; did you mean 'patr'"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["optimizer.lr=abc"], "optimizer.lr: expected a number"),
+        (["steps=1.5"], "steps: expected an integer"),
+        (["progress=maybe"], "progress: expected true or false"),
+        (["ppo.c_clip=0.5"], "ppo.c_clip"),
+        (["mesh.data=-1", "mesh.fsdp=-1"], "mesh"),
+        (["server.kind=external"], "server.urls"),
+        (["advantage.adv_mean_level=token"], "advantage.adv_mean_level"),
+        (["noequals"], "key.sub=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, fragment):
+    with pytest.raises(ConfigError, match=None) as ei:
+        load_config(None, overrides)
+    assert fragment in str(ei.value)
+
+
+def test_typo_in_yaml_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optimizer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="optimizer.learning_rate"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+PRM_ON = ["prm.enabled=true", "prm.scorers=[{path: scorers.LengthBudgetScorer, kwargs: {max_output_tokens: 8}}]"]
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["advantage.token_rewards_as_adv=false"], "advantage.token_rewards_as_adv"),
+        (["rollout.export=individual"], "rollout.export"),
+        (["server.token_backed=false"], "server.token_backed"),
+        (["prm.advantage_shaping.mode=process_weighted", "advantage.mask_no_eos_with_zero=true"],
+         "advantage.mask_no_eos_with_zero"),
+        (["prm.advantage_shaping.zero_penalty=-1"], "prm.advantage_shaping.zero_penalty"),
+        (["prm.advantage_shaping.negative_scale=.inf"], "prm.advantage_shaping.negative_scale"),
+    ],
+)
+def test_process_reward_rules(extra, key):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [*PRM_ON, *extra])
+    assert key in str(ei.value)
+
+
+def test_inactive_prm_relaxes_rules():
+    # enabled: false or an empty scorer list disables scoring, and with it the PRM-only rules
+    load_config(None, ["prm.enabled=false", "advantage.token_rewards_as_adv=false"])
+    load_config(None, ["prm.enabled=true", "prm.scorers=[]", "rollout.export=individual"])
+    cfg = load_config(None, [*PRM_ON, "prm.advantage_shaping.mode=gvpo"])
+    assert cfg.prm.active and cfg.prm.scorers[0].kwargs == {"max_output_tokens": 8}
+
+
+def test_cli_print_config_and_typo():
+    env_py = sys.executable
+    out = subprocess.run([env_py, "-m", "jaxprm.train", "--print-config", "rollout.strategy=flat"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["rollout"]["strategy"] == "flat"
+    bad = subprocess.run([env_py, "-m", "jaxprm.train", "--print-config", "optimzer.lr=1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "did you mean 'optimizer'" in bad.stderr
