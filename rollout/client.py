@@ -1,0 +1,338 @@
+"""Async token-in / token-out generation client (layer 4).
+
+One request = one assistant turn: a prompt of token ids goes out, the sampled token ids and their
+log-probs come back as a :class:`rollout.types.ModelResponse`, so training sees exactly what was
+sampled. Two dialects:
+
+* ``"vllm"`` -- ``POST {endpoint}/v1/completions`` with ``prompt`` = token ids, ``logprobs``,
+  ``return_token_ids`` and ``return_tokens_as_token_ids`` (the fallback when a server predates
+  ``return_token_ids``: ids are parsed from ``"token_id:N"`` logprob tokens). Also what the embedded
+  jaxprm server speaks.
+* ``"sglang"`` -- ``POST {endpoint}/generate`` with ``input_ids``, ``sampling_params`` and
+  ``return_logprob``; ids and log-probs come from ``meta_info.output_token_logprobs``
+  (``[logprob, id, text]`` triples) or ``output_ids``.
+
+A server that answers with text only raises :class:`TextOnlyResponseError` when
+``require_tokens`` (the default; process-reward training needs token-backed turns).
+
+Reliability: every request has a timeout; connection errors, timeouts, 429 and 5xx are retried with
+bounded exponential backoff (full jitter); an ``asyncio.Semaphore`` bounds in-flight requests.
+Several endpoints are load-balanced by least outstanding requests, with sticky routing per
+``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from rollout.types import ModelResponse
+
+__all__ = [
+    "ClientConfig",
+    "SamplingParams",
+    "GenerationClient",
+    "GenerationError",
+    "TextOnlyResponseError",
+    "Generated",
+    "DIALECTS",
+]
+
+DIALECTS = ("vllm", "sglang")
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
+
+
+class GenerationError(RuntimeError):
+    """A request failed for good (non-retryable status, bad response, or retries exhausted)."""
+
+
+class TextOnlyResponseError(GenerationError):
+    """The server answered without token ids / logprobs but token-backed turns are required."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling options (``seed`` makes a deterministic server reproducible)."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}; must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}; must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Where and how to call the generation server(s).
+
+    Attributes:
+      endpoints: base URLs, e.g. ``("http://127.0.0.1:8000",)``.
+      dialect: ``"vllm"`` (``/v1/completions``) or ``"sglang"`` (``/generate``).
+      model: the ``model`` field sent in vLLM requests.
+      timeout_s: per-request timeout (connect + read), seconds.
+      max_retries: retries after the first attempt for retryable failures.
+      backoff_base_s / backoff_max_s: exponential backoff ``min(max, base * 2**attempt)``, full jitter.
+      max_concurrency: requests in flight at once (all endpoints together).
+      require_tokens: fail with :class:`TextOnlyResponseError` on text-only responses.
+    """
+
+    endpoints: tuple[str, ...]
+    dialect: str = "vllm"
+    model: str = "default"
+    timeout_s: float = 60.0
+    max_retries: int = 4
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 2.0
+    max_concurrency: int = 64
+    require_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.endpoints, str):
+            object.__setattr__(self, "endpoints", (self.endpoints,))
+        object.__setattr__(self, "endpoints", tuple(e.rstrip("/") for e in self.endpoints))
+        if not self.endpoints:
+            raise ValueError("endpoints is empty; give at least one base URL")
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect={self.dialect!r}; allowed: {DIALECTS}")
+        for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}; must be > 0")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries={self.max_retries}; must be >= 0")
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency}; must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """A turn's result: the token-backed response plus the text and timing."""
+
+    response: ModelResponse
+    text: str | None
+    endpoint: str
+    attempts: int
+    http_s: float  # wall time spent waiting on HTTP (all attempts, backoff excluded)
+    client_s: float = 0.0  # synchronous client work: building the request and parsing the answer
+
+
+class GenerationClient:
+    """Async client; use ``async with GenerationClient(cfg) as c: await c.generate(ids, params)``.
+
+    Counters (``stats()``): requests, retries, failures, prompt tokens sent, generated tokens.
+    Counters and the routing table are the only state shared between concurrent callers; both are
+    touched only from the event loop thread, between awaits.
+    """
+
+    def __init__(self, config: ClientConfig, *, transport: httpx.AsyncBaseTransport | None = None,
+                 rng: random.Random | None = None):
+        self.config = config
+        limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport)
+        self._sem = asyncio.Semaphore(config.max_concurrency)
+        self._outstanding = {e: 0 for e in config.endpoints}
+        self._sticky: dict[str, str] = {}
+        self._rng = rng or random.Random(0)
+        self._stats = {"requests": 0, "retries": 0, "failures": 0, "prompt_tokens": 0, "generated_tokens": 0}
+
+    async def __aenter__(self) -> GenerationClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    # ------------------------------------------------------------------ routing
+
+    def pick_endpoint(self, route_key: str | None) -> str:
+        """Sticky endpoint for ``route_key``; else the one with the fewest outstanding requests."""
+        if route_key is not None and route_key in self._sticky:
+            return self._sticky[route_key]
+        ep = min(self.config.endpoints, key=lambda e: (self._outstanding[e], self.config.endpoints.index(e)))
+        if route_key is not None:
+            self._sticky[route_key] = ep
+        return ep
+
+    def release(self, route_key: str) -> None:
+        """Forget the sticky endpoint of a finished tree."""
+        self._sticky.pop(route_key, None)
+
+    # ------------------------------------------------------------------ requests
+
+    def _payload(self, prompt: Sequence[int], p: SamplingParams) -> tuple[str, dict[str, Any]]:
+        ids = [int(t) for t in prompt]
+        if self.config.dialect == "vllm":
+            body: dict[str, Any] = {
+                "model": self.config.model, "prompt": ids, "max_tokens": p.max_tokens,
+                "temperature": p.temperature, "top_p": p.top_p, "n": 1, "stream": False,
+                "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            }
+            if p.top_k > 0:
+                body["top_k"] = p.top_k
+            if p.stop_token_ids:
+                body["stop_token_ids"] = list(p.stop_token_ids)
+            if p.seed is not None:
+                body["seed"] = int(p.seed)
+            return "/v1/completions", body
+        sp: dict[str, Any] = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
+        if p.top_k > 0:
+            sp["top_k"] = p.top_k
+        if p.stop_token_ids:
+            sp["stop_token_ids"] = list(p.stop_token_ids)
+        if p.seed is not None:
+            sp["sampling_seed"] = int(p.seed)
+        return "/generate", {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": False}
+
+    async def generate(self, prompt: Sequence[int], params: SamplingParams, *,
+                       route_key: str | None = None) -> Generated:
+        """Sample one turn for ``prompt`` (token ids). Retries transient failures; raises
+        :class:`GenerationError` (or :class:`TextOnlyResponseError`) otherwise."""
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty")
+        t_build = time.perf_counter()
+        path, body = self._payload(prompt, params)
+        client_s = time.perf_counter() - t_build
+        cfg = self.config
+        attempt = 0
+        http_s = 0.0
+        last_err = ""
+        async with self._sem:
+            ep = self.pick_endpoint(route_key)
+            while True:
+                self._outstanding[ep] += 1
+                self._stats["requests"] += 1
+                t0 = time.perf_counter()
+                status = None
+                try:
+                    resp = await self._http.post(ep + path, json=body)
+                    status = resp.status_code
+                    if status == 200:
+                        data = resp.content
+                except (httpx.TransportError, httpx.TimeoutException) as e:
+                    last_err = f"{type(e).__name__}: {e}"
+                finally:
+                    http_s += time.perf_counter() - t0
+                    self._outstanding[ep] -= 1
+                if status == 200:
+                    break
+                if status is not None:
+                    last_err = f"HTTP {status}: {resp.text[:300]}"
+                    if status not in _RETRY_STATUS:
+                        self._stats["failures"] += 1
+                        raise GenerationError(f"{ep}{path} failed: {last_err}")
+                if attempt >= cfg.max_retries:
+                    self._stats["failures"] += 1
+                    raise GenerationError(f"{ep}{path} failed after {attempt + 1} attempts: {last_err}")
+                self._stats["retries"] += 1
+                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** attempt))
+                await asyncio.sleep(self._rng.uniform(0, delay))
+                attempt += 1
+        t_parse = time.perf_counter()
+        try:
+            data = json.loads(data)
+        except ValueError:
+            self._stats["failures"] += 1
+            raise GenerationError(f"{ep}{path} returned invalid JSON: {data[:200]!r}") from None
+        parse = _parse_vllm if cfg.dialect == "vllm" else _parse_sglang
+        out, lps, finish, text, wv, echoed = parse(data, require_tokens=cfg.require_tokens)
+        if echoed is not None and list(echoed) != list(prompt):
+            raise GenerationError(f"{ep}{path}: the server's prompt_token_ids differ from the prompt sent")
+        response = ModelResponse(input_tokens=list(prompt), output_tokens=out, output_logprobs=lps,
+                                 stop_reason=finish, weight_version=wv)
+        self._stats["prompt_tokens"] += len(prompt)
+        self._stats["generated_tokens"] += len(out)
+        client_s += time.perf_counter() - t_parse
+        return Generated(response=response, text=text, endpoint=ep, attempts=attempt + 1, http_s=http_s,
+                         client_s=client_s)
+
+
+# ---------------------------------------------------------------------- response parsing
+
+
+def _finish_reason(raw: Any) -> str:
+    if isinstance(raw, dict):
+        raw = raw.get("type")
+    if raw is None:
+        raise GenerationError("response has no finish_reason (streaming or unfinished request?)")
+    try:
+        return _FINISH[str(raw)]
+    except KeyError:
+        raise GenerationError(f"unknown finish_reason {raw!r}; expected one of {sorted(_FINISH)}") from None
+
+
+def _text_only(dialect: str) -> TextOnlyResponseError:
+    hint = ("ask a vLLM >= 0.10.2 server (return_token_ids) or one that honours return_tokens_as_token_ids"
+            if dialect == "vllm" else "use SGLang's native /generate with return_logprob")
+    return TextOnlyResponseError(
+        f"the {dialect} server returned text without token ids/logprobs; token-backed interactions are "
+        f"required (process rewards and the learner need the sampled tokens): {hint}"
+    )
+
+
+def _parse_vllm(data: dict[str, Any], *, require_tokens: bool):
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise GenerationError(f"vLLM response has no choices: {str(data)[:300]}") from None
+    finish = _finish_reason(choice.get("finish_reason"))
+    text = choice.get("text")
+    lp = choice.get("logprobs") or {}
+    token_lps = lp.get("token_logprobs")
+    ids = choice.get("token_ids")
+    if ids is None and lp.get("tokens"):
+        toks = lp["tokens"]
+        if all(isinstance(t, str) and t.startswith("token_id:") for t in toks):
+            ids = [int(t.split(":", 1)[1]) for t in toks]
+    if ids is None or token_lps is None:
+        if require_tokens:
+            raise _text_only("vllm")
+        return [], [], finish, text, None, None
+    if len(token_lps) != len(ids):
+        raise GenerationError(f"vLLM response has {len(ids)} token ids but {len(token_lps)} logprobs")
+    if any(v is None for v in token_lps):
+        raise GenerationError("vLLM response has a null logprob for a sampled token")
+    return ids, token_lps, finish, text, None, choice.get("prompt_token_ids")
+
+
+def _parse_sglang(data: Any, *, require_tokens: bool):
+    if isinstance(data, list):
+        data = data[0] if data else {}
+    if not isinstance(data, dict) or "meta_info" not in data:
+        raise GenerationError(f"SGLang response has no meta_info: {str(data)[:300]}")
+    meta = data["meta_info"]
+    finish = _finish_reason(meta.get("finish_reason"))
+    text = data.get("text")
+    triples = meta.get("output_token_logprobs")
+    ids = data.get("output_ids")
+    wv_raw = meta.get("weight_version")
+    wv = int(wv_raw) if isinstance(wv_raw, (int, str)) and str(wv_raw).isdigit() else None
+    if triples is None:
+        if require_tokens:
+            raise _text_only("sglang")
+        return [], [], finish, text, wv, None
+    lps = [float(t[0]) for t in triples]
+    tids = [int(t[1]) for t in triples]
+    if ids is not None and list(ids) != tids:
+        raise GenerationError("SGLang output_ids disagree with the ids in output_token_logprobs")
+    return tids, lps, finish, text, wv, None

@@ -1,0 +1,281 @@
+"""Text FrozenLake: deterministic grid navigation, one fenced action per turn (layer 4).
+
+Maps use gymnasium's letters internally (``S`` start, ``F`` frozen, ``H`` hole, ``G`` goal) and
+are rendered for the model as ``P`` (player), ``_`` (frozen), ``O`` (hole), ``G`` (goal), one row
+per line, cells separated by spaces. Movement matches gymnasium's ``FrozenLake-v1`` with
+``is_slippery=False``: a move into the border leaves the player in place, entering ``H`` ends the
+episode with reward 0, entering ``G`` ends it with reward 1.
+
+The action is read from the last fenced block of the reply (```` ```Left``` ````; ``Left``,
+``Down``, ``Right``, ``Up``, case-insensitive). Anything else is an invalid no-op
+(``info["valid"] = False``). An episode also ends after ``max_turns`` steps (valid or not).
+
+After every step ``info`` holds the keys the FrozenLake progress scorer reads: ``position``,
+``distance`` (BFS steps to the goal with holes blocked, ``-1`` if unreachable or in a hole),
+``start_distance``, ``in_hole``, ``success``, ``done``, ``action``, ``valid``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rollout.envs.base import StepResult
+
+__all__ = [
+    "FrozenLakeTask",
+    "FrozenLakeEnv",
+    "generate_map",
+    "bfs_distances",
+    "parse_action",
+    "render_map",
+    "make_tasks",
+    "ACTIONS",
+    "SYSTEM_PROMPT",
+]
+
+ACTIONS = ("Left", "Down", "Right", "Up")  # gymnasium action ids 0..3
+_DELTAS = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+_FENCE = re.compile(r"```[ \t]*([A-Za-z]+)[ \t]*\n?```")
+_LOOKUP = {a.lower(): a for a in ACTIONS}
+
+SYSTEM_PROMPT = (
+    "You are playing FrozenLake on a grid. Symbols: P is you, _ is frozen ice (safe), O is a hole "
+    "(falling in ends the game), G is the goal. Reach G without stepping into an O. "
+    "Each turn, answer with exactly one move written in a fenced block: ```Left```, ```Down```, "
+    "```Right``` or ```Up```. Left/Right change the column, Up/Down change the row (row 0 is the top). "
+    "Moving into the edge of the grid leaves you where you are."
+)
+
+
+def bfs_distances(desc: Sequence[str]) -> list[list[int]]:
+    """Shortest number of moves from every cell to the goal, holes blocked.
+
+    ``desc`` rows use ``S F H G`` (or the rendered ``P _ O G`` without spaces). Returns a
+    ``[rows][cols]`` list; holes and cells that cannot reach the goal get ``-1``.
+    """
+    rows, cols = len(desc), len(desc[0])
+    dist = [[-1] * cols for _ in range(rows)]
+    goal = [(r, c) for r in range(rows) for c in range(cols) if desc[r][c] == "G"]
+    if len(goal) != 1:
+        raise ValueError(f"map must have exactly one goal G, found {len(goal)}")
+    q = collections.deque(goal)
+    dist[goal[0][0]][goal[0][1]] = 0
+    while q:
+        r, c = q.popleft()
+        for dr, dc in _DELTAS.values():
+            nr, nc = r + dr, c + dc
+            if 0 <= nr < rows and 0 <= nc < cols and dist[nr][nc] < 0 and desc[nr][nc] not in "HO":
+                dist[nr][nc] = dist[r][c] + 1
+                q.append((nr, nc))
+    return dist
+
+
+def generate_map(seed: int | np.random.Generator, size: int = 4, p_frozen: float = 0.8, *,
+                 random_start_goal: bool = True, max_tries: int = 10_000) -> tuple[str, ...]:
+    """A ``size x size`` map (rows of ``S F H G``) with a path from ``S`` to ``G``.
+
+    Each cell is frozen with probability ``p_frozen`` (gymnasium's ``p``), else a hole. With
+    ``random_start_goal`` the start and goal are two distinct random cells, otherwise top-left and
+    bottom-right as in gymnasium. Maps without a hole-free path are redrawn.
+    """
+    if size < 2:
+        raise ValueError(f"size={size}; must be >= 2")
+    if not 0.0 < p_frozen <= 1.0:
+        raise ValueError(f"p_frozen={p_frozen}; must be in (0, 1]")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    for _ in range(max_tries):
+        board = np.where(rng.random((size, size)) < p_frozen, "F", "H").astype("<U1")
+        if random_start_goal:
+            s, g = rng.choice(size * size, size=2, replace=False)
+        else:
+            s, g = 0, size * size - 1
+        board[divmod(int(s), size)] = "S"
+        board[divmod(int(g), size)] = "G"
+        desc = tuple("".join(row) for row in board)
+        if bfs_distances(desc)[int(s) // size][int(s) % size] > 0:
+            return desc
+    raise RuntimeError(f"no solvable map after {max_tries} tries (size={size}, p_frozen={p_frozen})")
+
+
+def render_map(desc: Sequence[str], position: tuple[int, int]) -> str:
+    """Rows of ``P _ O G`` separated by spaces; the player ``P`` is drawn over its cell."""
+    sym = {"S": "_", "F": "_", "H": "O", "G": "G"}
+    out = []
+    for r, row in enumerate(desc):
+        out.append(" ".join("P" if (r, c) == tuple(position) else sym[ch] for c, ch in enumerate(row)))
+    return "\n".join(out)
+
+
+def parse_action(text: str) -> str | None:
+    """The action in the last fenced block of ``text`` (canonical case), or ``None``."""
+    blocks = _FENCE.findall(text or "")
+    if not blocks:
+        return None
+    return _LOOKUP.get(blocks[-1].strip().lower())
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenLakeTask:
+    """One map. ``desc`` rows use ``S F H G``; ``task_id`` names it in logs and exports."""
+
+    desc: tuple[str, ...]
+    max_turns: int = 10
+    task_id: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "desc", tuple(self.desc))
+        if len({len(r) for r in self.desc}) != 1 or not self.desc:
+            raise ValueError("desc must be a non-empty list of equal-length rows")
+        bad = set("".join(self.desc)) - set("SFHG")
+        if bad:
+            raise ValueError(f"desc has letters {sorted(bad)}; allowed: S F H G")
+        if "".join(self.desc).count("S") != 1 or "".join(self.desc).count("G") != 1:
+            raise ValueError("desc needs exactly one S and one G")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns={self.max_turns}; must be >= 1")
+
+    @property
+    def start(self) -> tuple[int, int]:
+        return next((r, row.index("S")) for r, row in enumerate(self.desc) if "S" in row)
+
+
+class FrozenLakeEnv:
+    """One FrozenLake episode (see the module docstring). ``clone()`` copies the episode state."""
+
+    def __init__(self) -> None:
+        self.task: FrozenLakeTask | None = None
+        self._dist: list[list[int]] = []
+        self.position = (0, 0)
+        self.turn = 0
+        self.done = False
+        self.start_distance = -1
+
+    def system_prompt(self, task: FrozenLakeTask) -> str:
+        return SYSTEM_PROMPT
+
+    async def reset(self, task: FrozenLakeTask) -> str:
+        if not isinstance(task, FrozenLakeTask):
+            raise TypeError(f"task must be a FrozenLakeTask, got {type(task).__name__}")
+        self.task = task
+        self._dist = bfs_distances(task.desc)
+        self.position = task.start
+        self.turn = 0
+        self.done = False
+        self.start_distance = self._dist[self.position[0]][self.position[1]]
+        return f"{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
+
+    def clone(self) -> FrozenLakeEnv:
+        other = FrozenLakeEnv()
+        other.task, other._dist = self.task, self._dist  # immutable / never mutated
+        other.position, other.turn, other.done, other.start_distance = (
+            self.position, self.turn, self.done, self.start_distance)
+        return other
+
+    def _board(self) -> str:
+        assert self.task is not None
+        return "Map:\n" + render_map(self.task.desc, self.position)
+
+    def move(self, action: str) -> tuple[tuple[int, int], bool, bool]:
+        """Apply a valid action: returns ``(new_position, in_hole, at_goal)`` (no turn counting)."""
+        assert self.task is not None
+        rows, cols = len(self.task.desc), len(self.task.desc[0])
+        dr, dc = _DELTAS[action]
+        r = min(max(self.position[0] + dr, 0), rows - 1)
+        c = min(max(self.position[1] + dc, 0), cols - 1)
+        cell = self.task.desc[r][c]
+        return (r, c), cell == "H", cell == "G"
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("step() before reset()")
+        if self.done:
+            raise RuntimeError("step() after the episode ended")
+        self.turn += 1
+        action = parse_action(action_text)
+        in_hole = success = False
+        reward = 0.0
+        if action is None:
+            msg = ("Invalid answer. Reply with exactly one move in a fenced block: "
+                   "```Left```, ```Down```, ```Right``` or ```Up```.")
+        else:
+            new_pos, in_hole, success = self.move(action)
+            bumped = new_pos == self.position
+            self.position = new_pos
+            if success:
+                reward = 1.0
+                msg = f"You moved {action} and reached the goal."
+            elif in_hole:
+                msg = f"You moved {action} and fell into a hole."
+            elif bumped:
+                msg = f"You moved {action} into the edge and stayed in place."
+            else:
+                msg = f"You moved {action}."
+        truncated = not (success or in_hole) and self.turn >= self.task.max_turns
+        self.done = success or in_hole or truncated
+        if not self.done:
+            msg += f"\n{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
+        elif truncated:
+            msg += " Out of turns."
+        r, c = self.position
+        info = {
+            "position": [r, c],
+            "distance": -1 if in_hole else self._dist[r][c],
+            "start_distance": self.start_distance,
+            "in_hole": in_hole,
+            "success": success,
+            "done": self.done,
+            "action": action,
+            "valid": action is not None,
+            "truncated": truncated,
+            "turn": self.turn,
+        }
+        return StepResult(observation=msg, reward=reward, done=self.done, info=info)
+
+
+def make_tasks(seed: int, n_train: int, n_eval: int, *, sizes: Sequence[int] = (4,),
+               p_frozen: float | Sequence[float] = 0.8, max_turns: int = 10,
+               random_start_goal: bool = True) -> tuple[list[FrozenLakeTask], list[FrozenLakeTask]]:
+    """Train and held-out eval task lists from ``seed``; no eval map appears in the train list.
+
+    Sizes and frozen probabilities are drawn uniformly from ``sizes`` / ``p_frozen`` per map.
+    Deterministic for a given seed.
+    """
+    if n_train < 0 or n_eval < 0:
+        raise ValueError(f"n_train={n_train}, n_eval={n_eval}; must be >= 0")
+    ps = [p_frozen] if isinstance(p_frozen, (int, float)) else list(p_frozen)
+    sizes = list(sizes)
+    if not sizes or not ps:
+        raise ValueError("sizes and p_frozen must be non-empty")
+    rng = np.random.default_rng(seed)
+    seen: set[tuple[str, ...]] = set()
+
+    def draw(n: int, split: str) -> list[FrozenLakeTask]:
+        out: list[FrozenLakeTask] = []
+        tries = 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * (n + 10):
+                raise RuntimeError(f"cannot draw {n} distinct {split} maps (sizes={sizes}, p_frozen={ps})")
+            size = int(sizes[rng.integers(len(sizes))])
+            p = float(ps[rng.integers(len(ps))])
+            desc = generate_map(rng, size, p, random_start_goal=random_start_goal)
+            if desc in seen:
+                continue
+            seen.add(desc)
+            out.append(FrozenLakeTask(desc=desc, max_turns=max_turns, task_id=f"{split}-{len(out)}"))
+        return out
+
+    eval_tasks = draw(n_eval, "eval")
+    train_tasks = draw(n_train, "train")
+    return train_tasks, eval_tasks
+
+
+def describe(task: FrozenLakeTask) -> dict[str, Any]:
+    """JSON-friendly summary of a task (for logs)."""
+    return {"task_id": task.task_id, "desc": list(task.desc), "max_turns": task.max_turns}

@@ -1,0 +1,165 @@
+"""Concat export: every leaf of every group becomes one row of a fixed-shape ``jaxprm.Batch`` (layer 4).
+
+A row is the root-to-leaf token sequence, which (because every prompt extends the previous one) is
+the last turn's prompt followed by its sampled tokens. Turn ``j`` of the branch generated the
+tokens at ``[len(prompt_j), len(prompt_j) + output_len_j)``; there the row has loss mask 1, the
+server's log-probs, turn id ``j`` and the scorers' process rewards (token-aligned); everything else
+(prompt, env/tool text, end-of-turn tokens the client appended) has mask 0, log-prob 0, turn id -1.
+``jaxprm.batch.pad_rows`` then shifts the per-token fields once to prediction positions and pads
+rows and length to buckets (padding rows have weight 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxprm.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
+from rollout.tree import GroupResult, LeafRecord
+from rollout.types import InteractionTree
+
+__all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "describe_groups", "ProcessRewards"]
+
+ProcessRewards = Mapping[str, Mapping[str, np.ndarray]]
+"""``{leaf_id: {interaction_id: float32[output_len]}}`` as ``PRMRunner.score_branches`` returns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedRow:
+    """Where a batch row came from."""
+
+    row: int
+    group: int
+    group_key: str
+    leaf_id: str
+    status: str
+
+
+def leaf_row(tree: InteractionTree, leaf: LeafRecord, group_id: int, *,
+             process_rewards: Mapping[str, np.ndarray] | None = None) -> RowData:
+    """One token-aligned ``RowData`` for the branch ending at ``leaf.leaf_id``.
+
+    ``process_rewards`` maps interaction id -> per-token rewards ``[output_len]`` for this branch
+    (missing ids get zeros). Raises ``ValueError`` if a turn's tokens are not where the prompt
+    chain says (retokenization drift) or a reward array has the wrong length.
+    """
+    branch = tree.branch(leaf.leaf_id)
+    last = branch[-1].model_response
+    if last is None:
+        raise ValueError(f"leaf {leaf.leaf_id!r} has no token-backed model response")
+    tokens = np.concatenate([last.input_tokens, last.output_tokens]).astype(np.int32)
+    L = tokens.shape[0]
+    mask = np.zeros(L, np.float32)
+    logprobs = np.zeros(L, np.float32)
+    turn_ids = np.full(L, -1, np.int32)
+    proc = np.zeros(L, np.float32) if process_rewards is not None else None
+    for j, it in enumerate(branch):
+        r = it.model_response
+        if r is None:
+            raise ValueError(f"interaction {it.id!r} has no token-backed model response")
+        s, n = r.input_len, r.output_len
+        if s + n > L or not np.array_equal(tokens[s:s + n], r.output_tokens) \
+                or not np.array_equal(tokens[:s], r.input_tokens):
+            raise ValueError(f"interaction {it.id!r}: its tokens are not a prefix of the leaf's sequence "
+                             "(each prompt must extend the previous one)")
+        mask[s:s + n] = 1.0
+        logprobs[s:s + n] = r.output_logprobs
+        turn_ids[s:s + n] = j
+        if proc is not None and it.id in process_rewards:
+            pr = np.asarray(process_rewards[it.id], np.float32).reshape(-1)
+            if pr.shape[0] != n:
+                raise ValueError(f"process rewards for {it.id!r} have length {pr.shape[0]}, output_len is {n}")
+            proc[s:s + n] = pr
+    return RowData(tokens=tokens, loss_mask=mask, logprobs=logprobs, outcome_reward=float(leaf.outcome_reward),
+                   group_id=group_id, process_rewards=proc, turn_ids=turn_ids, truncated=bool(leaf.truncated))
+
+
+def group_rows(group: GroupResult, group_id: int, *,
+               process_rewards: ProcessRewards | None = None) -> list[RowData]:
+    """Rows for every leaf of ``group.leaves`` (the training group)."""
+    rows = []
+    for leaf in group.leaves:
+        pr = None
+        if process_rewards is not None:
+            if leaf.leaf_id not in process_rewards:
+                raise KeyError(f"process rewards have no entry for leaf {leaf.leaf_id!r} of group {group.group_key!r}")
+            pr = process_rewards[leaf.leaf_id]
+        rows.append(leaf_row(group.tree, leaf, group_id, process_rewards=pr))
+    return rows
+
+
+def export_groups(groups: Sequence[GroupResult], *, process_rewards: Sequence[ProcessRewards | None] | None = None,
+                  row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+                  min_rows: int = 0, min_len: int = 0, max_len: int | None = None,
+                  skip_empty: bool = True) -> tuple[Batch, list[ExportedRow]]:
+    """Export groups to one bucketed ``Batch``; group ``i`` of the batch gets group id ``i``.
+
+    Args:
+      process_rewards: per group, the runner's ``{leaf_id: {interaction_id: rewards}}`` or ``None``.
+      row_buckets / len_buckets / min_rows / min_len: passed to ``pad_rows`` (few distinct shapes).
+      max_len: raise if a row is longer (rather than silently compile a huge shape).
+      skip_empty: groups with no leaves (possible under ``best_n``) are skipped; else an error.
+
+    Returns the batch and, per real row, where it came from.
+    """
+    if process_rewards is not None and len(process_rewards) != len(groups):
+        raise ValueError(f"process_rewards has {len(process_rewards)} entries for {len(groups)} groups")
+    rows: list[RowData] = []
+    meta: list[ExportedRow] = []
+    gid = 0
+    for i, g in enumerate(groups):
+        if not g.leaves:
+            if skip_empty:
+                continue
+            raise ValueError(f"group {g.group_key!r} has no leaves")
+        pr = None if process_rewards is None else process_rewards[i]
+        for leaf, row in zip(g.leaves, group_rows(g, gid, process_rewards=pr)):
+            if max_len is not None and len(row.tokens) > max_len:
+                raise ValueError(f"leaf {leaf.leaf_id!r} has {len(row.tokens)} tokens > max_len={max_len}")
+            meta.append(ExportedRow(row=len(rows), group=gid, group_key=g.group_key, leaf_id=leaf.leaf_id,
+                                    status=leaf.status))
+            rows.append(row)
+        gid += 1
+    if not rows:
+        raise ValueError("nothing to export: every group is empty")
+    batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
+    return batch, meta
+
+
+def describe_groups(groups: Sequence[GroupResult]) -> dict[str, Any]:
+    """Aggregate stats over groups (for logs): success rates and tree accounting."""
+    n = max(len(groups), 1)
+    tot = lambda name: sum(getattr(g.stats, name) for g in groups)  # noqa: E731
+    leaves = max(tot("leaves"), 1)
+    return {
+        "groups": len(groups),
+        "trajectories": tot("leaves"),
+        "success_rate": tot("successes") / leaves,
+        "groups_with_success": sum(1 for g in groups if g.stats.any_success) / n,
+        "mixed_groups": sum(1 for g in groups if 0 < g.stats.successes < g.stats.leaves) / n,
+        "sampled_actions": tot("sampled_actions"),
+        "expanded": tot("expanded"),
+        "pruned": tot("pruned"),
+        "loop_stopped": tot("loop_stopped"),
+        "refills": tot("refills"),
+        "checkpoints": sum(len(g.stats.checkpoints) for g in groups),
+        "per_checkpoint": _per_checkpoint(groups),
+        "generated_tokens": tot("generated_tokens"),
+        "prompt_tokens": tot("prompt_tokens"),
+        "sibling_shared_tokens": tot("sibling_shared_tokens"),
+    }
+
+
+def _per_checkpoint(groups: Sequence[GroupResult]) -> list[dict[str, int]]:
+    """Summed active / expanded / children / pruned / survived at checkpoint index 0, 1, ..."""
+    out: list[dict[str, int]] = []
+    for g in groups:
+        for c in g.stats.checkpoints:
+            while len(out) <= c.index:
+                out.append({"index": len(out), "active": 0, "expanded": 0, "children": 0, "pruned": 0, "survived": 0})
+            for k in ("active", "expanded", "children", "pruned", "survived"):
+                out[c.index][k] += getattr(c, k)
+    return out

@@ -1,0 +1,549 @@
+"""Group rollouts: flat GRPO, Tree-Random and PaTR over one machinery (layer 4).
+
+A *group* is every trajectory sampled for one task. All three strategies share the same loop:
+
+    A <- B0 fresh branches (flat: G);  C <- {}
+    while A is not empty (or, with refill, free slots remain):
+        advance every branch of A concurrently for up to K turns        (flat: until it ends)
+        move branches that ended (env done, max_turns, context full, theta-loop) to C
+        if A is not empty (tree strategies only):
+            s_i = score(branch_i) in [0, 1]          (patr: branch scorer; tree_random: uniform)
+            E = the top_k branches by score that fit under max_branches
+            L = branches of A \\ E with s_i < median(s over A) - alpha    (pruned)
+            A <- (A \\ (E u L)) u {M children of each e in E};  C <- C u L
+        if A is empty, refill and max_branches - |C| > 0: branch again from the best-scored
+            checkpoint states seen so far (from the root if none), one slot at a time
+
+``max_branches`` is a hard cap on live + finished branches, so with refill a tree group has exactly
+``max_branches`` trajectories, the same budget as a flat group of that size (dead slots left by
+branches that fell into holes early are refilled rather than lost). A branch whose last ``theta``
+actions are identical is stopped right after that turn (the paper's Theta rule; checked every
+turn so that a loop does not burn the rest of an interval). Pruned and loop-stopped branches stay
+in the group as negatives under ``group_mode="keep_all"`` and are dropped under ``"best_n"``.
+
+Children copy the parent's token prefix, messages and env state (``env.clone()``); all requests of a
+group use one sticky route key, so a server with prefix caching sees siblings' shared prefixes.
+Per-request seeds are derived from (config seed, group seed, branch id, turn), so a group is
+reproducible against a deterministic server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
+from rollout.client import GenerationClient, SamplingParams
+from rollout.envs.base import Env
+from rollout.types import Interaction, InteractionTree, branch_messages
+
+__all__ = [
+    "TreeConfig",
+    "BranchScorer",
+    "ScorerAdapter",
+    "LeafRecord",
+    "CheckpointStats",
+    "GroupStats",
+    "GroupResult",
+    "RolloutError",
+    "run_group",
+    "run_groups",
+    "STRATEGIES",
+    "GROUP_MODES",
+]
+
+STRATEGIES = ("flat", "tree_random", "patr")
+GROUP_MODES = ("keep_all", "best_n")
+DROPPED_UNDER_BEST_N = ("pruned", "loop")
+
+
+class RolloutError(RuntimeError):
+    """A group could not be rolled out (a request, env step or scorer failed); the cause is chained."""
+
+
+@runtime_checkable
+class BranchScorer(Protocol):
+    """Scores a partial branch for PaTR: higher = more promising. Must return a float in [0, 1].
+
+    ``branch`` is an independent clone (root-to-current turn); ``ctx`` has ``"messages"`` (the full
+    conversation), ``"branch"``, ``"task"`` and ``"branch_id"``.
+    """
+
+    async def score(self, branch: list[Interaction], ctx: dict[str, Any]) -> float: ...
+
+
+class ScorerAdapter:
+    """Wraps any ``scorers.BaseScorer`` (``async evaluate(interaction, ctx)``) as a BranchScorer.
+
+    Calls ``evaluate(branch[-1], ctx)``; a scalar is used as is, a per-token array is averaged.
+    ``None`` or an exception fails the group (as the scorer contract says for rejections).
+    """
+
+    def __init__(self, scorer: Any, *, reduce: str = "mean"):
+        if not hasattr(scorer, "evaluate"):
+            raise TypeError(f"{type(scorer).__name__} has no evaluate(interaction, ctx)")
+        if reduce not in ("mean", "last", "sum"):
+            raise ValueError(f"reduce={reduce!r}; allowed: mean, last, sum")
+        self.scorer = scorer
+        self.reduce = reduce
+        self.name = getattr(scorer, "name", type(scorer).__name__)
+
+    async def score(self, branch: list[Interaction], ctx: dict[str, Any]) -> float:
+        value = await self.scorer.evaluate(branch[-1], ctx)
+        if value is None:
+            raise ValueError(f"scorer {self.name!r} rejected branch {ctx.get('branch_id')!r} (returned None)")
+        if hasattr(value, "reward") and not isinstance(value, (int, float, np.ndarray)):
+            value = value.reward  # a PRMScorerResult-like object
+        arr = np.asarray(value, dtype=np.float64).reshape(-1)
+        if arr.size == 0:
+            raise ValueError(f"scorer {self.name!r} returned an empty array")
+        if arr.size == 1:
+            return float(arr[0])
+        return float({"mean": arr.mean, "sum": arr.sum, "last": lambda: arr[-1]}[self.reduce]())
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """How one group is rolled out.
+
+    Attributes:
+      strategy: ``"flat"`` (``group_size`` independent samples), ``"tree_random"`` (random scores)
+        or ``"patr"`` (branch scorer).
+      group_size: flat group size G.
+      b0: initial branches of a tree. k: turns between checkpoints. m: children per expansion.
+      top_k: branches expanded per checkpoint. alpha: prune margin below the median score.
+      theta: identical consecutive actions that stop a branch (``None``: never).
+      max_turns: turns per trajectory.
+      max_branches: hard cap on live + finished branches of a tree (``None``: no cap).
+      refill: when every branch has ended and slots are free, branch again (see module doc).
+      group_mode: ``"keep_all"`` or ``"best_n"`` (drop pruned and loop-stopped branches).
+      sampling: request sampling options (the seed is set per request).
+      max_context_tokens: stop a branch whose next prompt plus ``max_tokens`` would exceed this.
+      seed: base seed for per-request seeds and Tree-Random scores.
+      score_timeout_s / env_timeout_s: bounds on one scorer call / one env step.
+    """
+
+    strategy: str = "patr"
+    group_size: int = 8
+    b0: int = 4
+    k: int = 5
+    m: int = 2
+    top_k: int = 2
+    alpha: float = 0.5
+    theta: int | None = 6
+    max_turns: int = 10
+    max_branches: int | None = 8
+    refill: bool = True
+    group_mode: str = "keep_all"
+    sampling: SamplingParams = SamplingParams()
+    max_context_tokens: int | None = None
+    seed: int = 0
+    score_timeout_s: float = 60.0
+    env_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}; allowed: {STRATEGIES}")
+        if self.group_mode not in GROUP_MODES:
+            raise ValueError(f"group_mode={self.group_mode!r}; allowed: {GROUP_MODES}")
+        for name in ("group_size", "b0", "k", "m", "top_k", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}; must be >= 1")
+        if self.m < 2 and self.strategy != "flat":
+            raise ValueError(f"m={self.m}; an expansion needs at least 2 children")
+        if self.theta is not None and self.theta < 2:
+            raise ValueError(f"theta={self.theta}; must be >= 2 or None")
+        if self.max_branches is not None and self.max_branches < self.b0:
+            raise ValueError(f"max_branches={self.max_branches} < b0={self.b0}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha={self.alpha}; must be >= 0")
+
+    @property
+    def target_size(self) -> int | None:
+        """Trajectories per group when every slot is used (flat: G; tree with refill: cap)."""
+        if self.strategy == "flat":
+            return self.group_size
+        return self.max_branches if self.refill else None
+
+
+@dataclasses.dataclass
+class LeafRecord:
+    """One trajectory of the group: the branch ending at interaction ``leaf_id``.
+
+    ``status``: ``success`` | ``done`` (env ended without success) | ``max_turns`` | ``pruned`` |
+    ``loop`` | ``context``. ``truncated``: the last response stopped on the length limit.
+    """
+
+    leaf_id: str
+    branch_id: str
+    outcome_reward: float
+    status: str
+    turns: int
+    truncated: bool
+    origin: str  # root | child | refill
+    score: float | None = None  # last checkpoint score, if scored
+
+
+@dataclasses.dataclass
+class CheckpointStats:
+    index: int
+    active: int
+    scores: list[float]
+    expanded: int
+    children: int
+    pruned: int
+    survived: int
+
+
+@dataclasses.dataclass
+class GroupStats:
+    """Per-group accounting (every sampled action counts)."""
+
+    strategy: str = ""
+    branches_started: int = 0
+    roots: int = 0
+    children: int = 0
+    refills: int = 0
+    expanded: int = 0
+    pruned: int = 0
+    loop_stopped: int = 0
+    context_stopped: int = 0
+    completed: int = 0  # ended by the env or max_turns
+    leaves: int = 0  # trajectories in the group
+    successes: int = 0
+    sampled_actions: int = 0  # requests = turns generated
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cache_reusable_tokens: int = 0  # prompt tokens an ideal prefix cache already holds
+    sibling_shared_tokens: int = 0  # of those, the ones only a sibling's request put there
+    wall_s: float = 0.0
+    http_s: float = 0.0
+    overhead_s: float = 0.0  # synchronous rollout work per turn (template diff, env, bookkeeping)
+    checkpoints: list[CheckpointStats] = dataclasses.field(default_factory=list)
+
+    @property
+    def any_success(self) -> bool:
+        return self.successes > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["any_success"] = self.any_success
+        return d
+
+
+@dataclasses.dataclass
+class GroupResult:
+    """A rolled-out group. ``leaves`` is the training group (``group_mode`` applied);
+    ``all_leaves`` also holds the dropped ones. ``tree`` holds every interaction."""
+
+    group_key: str
+    task: Any
+    tree: InteractionTree
+    leaves: list[LeafRecord]
+    all_leaves: list[LeafRecord]
+    stats: GroupStats
+
+
+@dataclasses.dataclass
+class _Branch:
+    id: str
+    env: Env
+    messages: list[dict[str, Any]]
+    prompt: list[int]
+    last_id: str | None
+    depth: int
+    actions: list[Any]
+    reward: float
+    origin: str
+    lineage_len: int = 0  # prompt+output tokens of the previous request on this lineage
+    status: str | None = None
+    score: float | None = None
+    truncated: bool = False
+
+    def fork(self, new_id: str, origin: str) -> _Branch:
+        return _Branch(id=new_id, env=self.env.clone(), messages=list(self.messages), prompt=list(self.prompt),
+                       last_id=self.last_id, depth=self.depth, actions=list(self.actions), reward=self.reward,
+                       origin=origin, lineage_len=self.lineage_len, score=self.score)
+
+
+def _seed(*parts: Any) -> int:
+    return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+async def _gather(coros: Sequence[Any]) -> list[Any]:
+    """Run concurrently; on the first failure cancel the rest and raise it (cancellation propagates)."""
+    tasks: list[asyncio.Task] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:
+        errs = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
+        raise (errs[0] if errs else eg.exceptions[0]) from None
+    return [t.result() for t in tasks]
+
+
+class _GroupRun:
+    def __init__(self, task: Any, env_factory: Callable[[], Env], client: GenerationClient, prompts: PromptBuilder,
+                 config: TreeConfig, scorer: BranchScorer | None, group_seed: int, group_key: str):
+        self.task, self.env_factory, self.client, self.prompts = task, env_factory, client, prompts
+        self.cfg, self.scorer, self.group_seed, self.key = config, scorer, group_seed, group_key
+        self.tree = InteractionTree()
+        self.stats = GroupStats(strategy=config.strategy)
+        self.finished: list[_Branch] = []
+        self.snapshots: list[tuple[float, int, _Branch]] = []  # (score, order, frozen fork)
+        self._n_branches = 0
+        self._sent_from: set[str | None] = set()
+        self._root: _Branch | None = None
+
+    # ------------------------------------------------------------------ branches
+
+    def _new_id(self) -> str:
+        bid = f"b{self._n_branches}"
+        self._n_branches += 1
+        self.stats.branches_started += 1
+        return bid
+
+    async def _root_branch(self, origin: str = "root") -> _Branch:
+        if self._root is None:
+            env = self.env_factory()
+            obs = await asyncio.wait_for(env.reset(self.task), self.cfg.env_timeout_s)
+            system = env.system_prompt(self.task)
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": obs}]
+            self._root = _Branch(id="root", env=env, messages=msgs, prompt=self.prompts.initial(msgs), last_id=None,
+                                 depth=0, actions=[], reward=0.0, origin="root")
+        b = self._root.fork(self._new_id(), origin)
+        if origin == "root":
+            self.stats.roots += 1
+        else:
+            self.stats.refills += 1
+        return b
+
+    def _fork(self, parent: _Branch, origin: str) -> _Branch:
+        child = parent.fork(self._new_id(), origin)
+        if origin == "refill":
+            self.stats.refills += 1
+        else:
+            self.stats.children += 1
+        return child
+
+    async def _turn(self, b: _Branch) -> None:
+        cfg = self.cfg
+        params = dataclasses.replace(cfg.sampling, seed=_seed(cfg.seed, self.group_seed, b.id, b.depth))
+        # Prefix-cache accounting: identical prompts share their parent interaction id.
+        plen = len(b.prompt)
+        if b.last_id in self._sent_from and plen > b.lineage_len:
+            self.stats.sibling_shared_tokens += plen - b.lineage_len
+            self.stats.cache_reusable_tokens += plen
+        else:
+            self.stats.cache_reusable_tokens += min(b.lineage_len, plen)
+        self._sent_from.add(b.last_id)
+        gen = await self.client.generate(b.prompt, params, route_key=self.key)
+        t0 = time.perf_counter()
+        resp = gen.response
+        if list(resp.input_tokens) != b.prompt:
+            raise RolloutError(f"branch {b.id}: the response's prompt differs from the prompt sent")
+        text = gen.text if gen.text is not None else self.prompts.tokenizer.decode(resp.output_tokens)
+        self.stats.sampled_actions += 1
+        self.stats.generated_tokens += resp.output_len
+        self.stats.prompt_tokens += plen
+        self.stats.http_s += gen.http_s
+        t1 = time.perf_counter()
+        step = await asyncio.wait_for(b.env.step(text), cfg.env_timeout_s)
+        t2 = time.perf_counter()
+        inter = Interaction(id=f"{self.key}/{b.id}/t{b.depth}", parent_id=b.last_id, messages=b.messages,
+                            output_messages=[{"role": "assistant", "content": text}], model_response=resp,
+                            reward=float(step.reward), env_state=dict(step.info))
+        self.tree.add(inter)
+        b.last_id = inter.id
+        b.depth += 1
+        b.reward += float(step.reward)
+        b.truncated = resp.truncated
+        b.actions.append(step.info.get("action", text.strip()))
+        b.lineage_len = plen + resp.output_len
+        if step.done:
+            b.status = "success" if step.info.get("success") else ("max_turns" if step.info.get("truncated") else "done")
+        elif b.depth >= cfg.max_turns:
+            b.status = "max_turns"
+        elif cfg.theta is not None and len(b.actions) >= cfg.theta and len(set(map(repr, b.actions[-cfg.theta:]))) == 1:
+            b.status = "loop"
+        else:
+            new_msgs = [{"role": step.role, "content": step.observation}]
+            tail = self.prompts.continuation(b.messages, text, new_msgs, resp.output_tokens)
+            new_prompt = b.prompt + list(resp.output_tokens) + tail
+            check_extends(b.prompt, new_prompt)
+            b.messages = [*b.messages, {"role": "assistant", "content": text}, *new_msgs]
+            b.prompt = new_prompt
+            if cfg.max_context_tokens is not None and len(new_prompt) + cfg.sampling.max_tokens > cfg.max_context_tokens:
+                b.status = "context"
+        self.stats.overhead_s += (t1 - t0) + (time.perf_counter() - t2) + gen.client_s
+
+    async def _advance(self, b: _Branch, turns: int) -> None:
+        for _ in range(turns):
+            await self._turn(b)
+            if b.status is not None:
+                return
+
+    # ------------------------------------------------------------------ scoring
+
+    async def _score_one(self, b: _Branch) -> float:
+        branch = self.tree.clone_branch(b.last_id)
+        ctx = {"messages": branch_messages(branch), "branch": branch, "task": self.task, "branch_id": b.id}
+        s = await asyncio.wait_for(self.scorer.score(branch, ctx), self.cfg.score_timeout_s)
+        s = float(s)
+        if not np.isfinite(s) or not 0.0 <= s <= 1.0:
+            raise ValueError(f"branch score {s} for {b.id} is outside [0, 1]")
+        return s
+
+    async def _scores(self, active: list[_Branch], index: int) -> list[float]:
+        if self.cfg.strategy == "tree_random":
+            rng = np.random.default_rng([self.cfg.seed, self.group_seed, index])
+            return [float(x) for x in rng.random(len(active))]
+        if self.scorer is None:
+            raise ValueError("strategy 'patr' needs a branch scorer")
+        return await _gather([self._score_one(b) for b in active])
+
+    # ------------------------------------------------------------------ main loop
+
+    def _free_slots(self, n_active: int) -> float:
+        if self.cfg.max_branches is None:
+            return float("inf")
+        return self.cfg.max_branches - n_active - len(self.finished)
+
+    def _collect(self, active: list[_Branch]) -> list[_Branch]:
+        alive = []
+        for b in active:
+            if b.status is None:
+                alive.append(b)
+                continue
+            self.finished.append(b)
+            if b.status == "loop":
+                self.stats.loop_stopped += 1
+            elif b.status == "context":
+                self.stats.context_stopped += 1
+            else:
+                self.stats.completed += 1
+        return alive
+
+    async def _checkpoint(self, active: list[_Branch], index: int) -> list[_Branch]:
+        cfg = self.cfg
+        scores = await self._scores(active, index)
+        for b, s in zip(active, scores):
+            b.score = s
+        order = sorted(range(len(active)), key=lambda i: (-scores[i], i))
+        free = self._free_slots(len(active))
+        expand: list[int] = []
+        n_children: dict[int, int] = {}
+        for i in order[: cfg.top_k]:
+            n = int(min(cfg.m, 1 + free))
+            if n < 2:
+                break
+            expand.append(i)
+            n_children[i] = n
+            free -= n - 1
+        med = statistics.median(scores)
+        pruned = [i for i in range(len(active)) if i not in n_children and scores[i] < med - cfg.alpha]
+        nxt: list[_Branch] = []
+        for i, b in enumerate(active):
+            if i in n_children:
+                self.snapshots.append((scores[i], len(self.snapshots), b.fork("snapshot", "refill")))
+                nxt.extend(self._fork(b, "child") for _ in range(n_children[i]))
+            elif i in pruned:
+                b.status = "pruned"
+                self.finished.append(b)
+            else:
+                self.snapshots.append((scores[i], len(self.snapshots), b.fork("snapshot", "refill")))
+                nxt.append(b)
+        self.stats.expanded += len(expand)
+        self.stats.pruned += len(pruned)
+        self.stats.checkpoints.append(CheckpointStats(
+            index=index, active=len(active), scores=list(scores), expanded=len(expand),
+            children=sum(n_children.values()), pruned=len(pruned), survived=len(active) - len(expand) - len(pruned)))
+        return nxt
+
+    async def _refill(self) -> list[_Branch]:
+        free = int(self._free_slots(0))
+        if not self.snapshots:
+            return [await self._root_branch("refill") for _ in range(min(free, self.cfg.b0))]
+        best = sorted(self.snapshots, key=lambda s: (-s[0], s[1]))[: self.cfg.top_k]
+        n = min(free, self.cfg.b0)
+        return [self._fork(best[j % len(best)][2], "refill") for j in range(n)]
+
+    async def run(self) -> GroupResult:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        tree_mode = cfg.strategy != "flat"
+        n0 = cfg.b0 if tree_mode else cfg.group_size
+        active = [await self._root_branch() for _ in range(n0)]
+        interval = cfg.k if tree_mode else cfg.max_turns
+        index = 0
+        while True:
+            if active:
+                await _gather([self._advance(b, interval) for b in active])
+                active = self._collect(active)
+                if active and tree_mode:
+                    active = await self._checkpoint(active, index)
+                    index += 1
+            if not active:
+                if tree_mode and cfg.refill and cfg.max_branches is not None and self._free_slots(0) > 0:
+                    active = await self._refill()
+                    continue
+                break
+        self.stats.wall_s = time.perf_counter() - t_start
+        all_leaves = [LeafRecord(leaf_id=b.last_id, branch_id=b.id, outcome_reward=b.reward, status=b.status,
+                                 turns=b.depth, truncated=b.truncated, origin=b.origin, score=b.score)
+                      for b in self.finished if b.last_id is not None]
+        group = [lf for lf in all_leaves
+                 if cfg.group_mode == "keep_all" or lf.status not in DROPPED_UNDER_BEST_N]
+        self.stats.leaves = len(group)
+        self.stats.successes = sum(1 for lf in group if lf.status == "success")
+        return GroupResult(group_key=self.key, task=self.task, tree=self.tree, leaves=group, all_leaves=all_leaves,
+                           stats=self.stats)
+
+
+async def run_group(task: Any, *, env_factory: Callable[[], Env], client: GenerationClient,
+                    prompts: PromptBuilder | ChatTokenizer, config: TreeConfig, scorer: BranchScorer | None = None,
+                    group_seed: int = 0, group_key: str | None = None) -> GroupResult:
+    """Roll out one group for ``task`` with ``config.strategy`` (see the module docstring).
+
+    Args:
+      task: passed to ``env.reset``.
+      env_factory: makes a fresh env (one per group; children use ``env.clone()``).
+      client: the generation client (requests use ``group_key`` as the sticky route key).
+      prompts: a :class:`PromptBuilder`, or a tokenizer to build one from.
+      config: the strategy and its parameters.
+      scorer: the branch scorer (required for ``"patr"``); wrap a ``scorers.BaseScorer`` in
+        :class:`ScorerAdapter`.
+      group_seed: distinguishes groups (and steps) for per-request seeds.
+      group_key: prefix of interaction ids and the route key; default ``f"g{group_seed}"``.
+
+    Raises :class:`RolloutError` (with the cause chained) if a request, step or score fails; the
+    other branches are cancelled first. Cancelling the caller cancels every branch.
+    """
+    if not isinstance(prompts, PromptBuilder):
+        prompts = PromptBuilder(prompts)
+    if config.strategy == "patr" and scorer is None:
+        raise ValueError("strategy 'patr' needs a branch scorer (scorer=...)")
+    key = group_key if group_key is not None else f"g{group_seed}"
+    run = _GroupRun(task, env_factory, client, prompts, config, scorer, group_seed, key)
+    try:
+        return await run.run()
+    except (asyncio.CancelledError, RolloutError, ValueError, TypeError):
+        raise
+    except Exception as e:
+        raise RolloutError(f"group {key!r} failed: {type(e).__name__}: {e}") from e
+    finally:
+        client.release(key)
+
+
+async def run_groups(tasks: Sequence[Any], **kwargs: Any) -> list[GroupResult]:
+    """``run_group`` for several tasks concurrently; group ``i`` uses ``group_seed = base + i``
+    where ``base = kwargs.pop("group_seed", 0)``, and key ``f"g{group_seed}"``."""
+    base = kwargs.pop("group_seed", 0)
+    return await _gather([run_group(t, group_seed=base + i, **kwargs) for i, t in enumerate(tasks)])
