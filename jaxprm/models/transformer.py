@@ -1,0 +1,272 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 families) in Flax NNX, with a KV cache.
+
+Parameters of all layers are stacked along a leading layer axis ``L`` and the layers run in one
+``jax.lax.scan``, so the compiled program (and its compile time) does not grow with depth.
+
+Parameter layout (``x @ W`` convention; HF tensor layouts are converted in ``hf_io``):
+
+====================  =====================  =============================================
+name                  shape                  note
+====================  =====================  =============================================
+embed                 [V, D]                 also the LM head when ``tie_embeddings``
+layers.attn_norm      [L, D]                 RMSNorm weight before attention
+layers.q_proj         [L, D, H, hd]          (+ q_bias [L, H, hd] if ``qkv_bias``)
+layers.k_proj         [L, D, K, hd]          (+ k_bias [L, K, hd])
+layers.v_proj         [L, D, K, hd]          (+ v_bias [L, K, hd])
+layers.q_norm/k_norm  [L, hd]                qwen3 only (``qk_norm``)
+layers.o_proj         [L, H, hd, D]          (+ o_bias [L, D] if ``o_bias``)
+layers.mlp_norm       [L, D]                 RMSNorm weight before the MLP
+layers.gate_proj      [L, D, F]              SwiGLU: down(silu(x gate) * (x up))
+layers.up_proj        [L, D, F]
+layers.down_proj      [L, F, D]
+final_norm            [D]
+lm_head               [V, D]                 absent when ``tie_embeddings``
+====================  =====================  =============================================
+
+Call convention: ``logits, cache = model(tokens, positions, cache=None)``.
+
+* ``tokens`` int32 ``[B, T]`` (ids are clipped into ``[0, V)``), ``positions`` int32 ``[B, T]``
+  absolute positions (RoPE angle and, with a cache, the cache slot).
+* Without a cache: query ``t`` attends keys ``s <= t`` (index-causal) whose position is ``>= 0``.
+  Padding convention: right-pad rows with any token and any position; causality keeps the padded
+  tail from touching the real prefix. Left padding is also possible by giving the pad entries a
+  negative position (they are then never attended). Outputs at pad entries are finite garbage.
+* With a cache (``KVCache``, slot index == absolute position): each entry's k/v is written at slot
+  ``positions[b, t]`` *before* attention, then the query at position ``p`` attends slots
+  ``0..p`` of its row (only those). Entries whose position is negative or ``>= S`` (the cache
+  length) are not written (dropped), and a query with ``p >= S`` sees all ``S`` slots; such
+  entries give finite but meaningless outputs -- keep positions ``< S``. A right-padded prefill
+  writes pad k/v at slots past the true length; a decode step writes its own slot before
+  attending, so those stale slots are overwritten before they are ever read. Pad entries must not
+  reuse a real token's position (use the continuing positions, or -1 to skip the write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxprm.models.config import ModelConfig
+from jaxprm.models.rope import apply_rope, rope_cos_sin
+
+__all__ = ["Transformer", "KVCache", "rms_norm"]
+
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Key/value cache, ``k, v [L, B, S, K, hd]`` in the parameter dtype; slot index == position."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An all-zero cache for ``batch_size`` rows of up to ``max_len`` positions."""
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(f"batch_size={batch_size} and max_len={max_len} must be positive")
+        shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+        dtype = config.dtype if dtype is None else dtype
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[2])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * (x / sqrt(mean(x^2, -1) + eps))``, statistics in float32, result in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All ``L`` decoder layers' parameters, stacked on a leading layer axis (see module docs)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        L, D, H, K, hd, F = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                             c.intermediate_size)
+        dt = c.dtype
+        init = nnx.initializers.normal(0.02)
+
+        def weight(*shape):
+            return nnx.Param(init(rngs.params(), shape, dt))
+
+        def const(value, *shape):
+            return nnx.Param(jnp.full(shape, value, dt))
+
+        self.attn_norm = const(1.0, L, D)
+        self.q_proj = weight(L, D, H, hd)
+        self.k_proj = weight(L, D, K, hd)
+        self.v_proj = weight(L, D, K, hd)
+        self.q_bias = const(0.0, L, H, hd) if c.qkv_bias else None
+        self.k_bias = const(0.0, L, K, hd) if c.qkv_bias else None
+        self.v_bias = const(0.0, L, K, hd) if c.qkv_bias else None
+        self.q_norm = const(1.0, L, hd) if c.qk_norm else None
+        self.k_norm = const(1.0, L, hd) if c.qk_norm else None
+        self.o_proj = weight(L, H, hd, D)
+        self.o_bias = const(0.0, L, D) if c.o_bias else None
+        self.mlp_norm = const(1.0, L, D)
+        self.gate_proj = weight(L, D, F)
+        self.up_proj = weight(L, D, F)
+        self.down_proj = weight(L, F, D)
+
+    PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm",
+                   "k_norm", "o_proj", "o_bias", "mlp_norm", "gate_proj", "up_proj", "down_proj")
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """The present parameters as a dict of arrays with leading axis ``L`` (scan input)."""
+        return {n: getattr(self, n)[...] for n in self.PARAM_NAMES if getattr(self, n) is not None}
+
+
+def _layer(config: ModelConfig, x, p, cos, sin, attend):
+    """One pre-norm decoder layer on ``x [B, T, D]``; ``attend(q, k, v) -> [B, T, H, hd]``."""
+    c = config
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"])
+    k = jnp.einsum("btd,dhk->bthk", h, p["k_proj"])
+    v = jnp.einsum("btd,dhk->bthk", h, p["v_proj"])
+    if c.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = attend(q, k, v)
+    o = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"])
+    if c.o_bias:
+        o = o + p["o_bias"]
+    x = x + o
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"])
+    up = jnp.einsum("btd,df->btf", h, p["up_proj"])
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"])
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention.
+
+    ``q [B, T, H, hd]``, ``k, v [B, S, K, hd]`` (``H = K G``), boolean ``mask [B, T, S]``:
+    ``softmax(q k^T / sqrt(hd) masked) v`` with scores and softmax in float32; fully masked rows
+    give a uniform (finite) average. Returns ``[B, T, H, hd]`` in ``q.dtype``.
+    """
+    B, T, H, hd = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, hd)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer; see the module docstring for shapes and the cache convention.
+
+    ``remat=True`` rematerializes each layer in the backward pass (less activation memory).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        c = config
+        self.config = config
+        self.remat = remat
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), c.dtype))
+        self.layers = DecoderLayers(config, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), c.dtype))
+        self.lm_head = (
+            None if c.tie_embeddings
+            else nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), c.dtype))
+        )
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """``(logits float32 [B, T, V], updated cache or None)``."""
+        hidden, cache = self.hidden_states(tokens, positions, cache)
+        return self.logits(hidden), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[..., V]`` from final hidden states ``[..., D]`` (already normed)."""
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final-normed hidden states ``[B, T, D]`` (param dtype) and the updated cache.
+
+        ``model.logits(h)`` turns (a gather of) them into logits: a sampler can project only the
+        last prompt position instead of materializing ``[B, T, V]``.
+        """
+        c = self.config
+        if tokens.ndim != 2 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"tokens {tokens.shape} and positions {positions.shape} must both be [B, T]"
+            )
+        tokens = tokens.astype(jnp.int32)
+        positions = positions.astype(jnp.int32)
+        B, T = tokens.shape
+        x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
+        cos, sin = rope_cos_sin(c, positions)
+        params = self.layers.stacked()
+
+        if cache is None:
+            idx = jnp.arange(T)
+            mask = (idx[None, :, None] >= idx[None, None, :]) & (positions[:, None, :] >= 0)
+
+            def body(x, p):
+                return _layer(c, x, p, cos, sin, lambda q, k, v: attention(q, k, v, mask)), None
+
+            if self.remat:
+                body = jax.checkpoint(body)
+            x, _ = jax.lax.scan(body, x, params)
+        else:
+            if cache.k.shape[:2] != (c.num_layers, B):
+                raise ValueError(
+                    f"cache has layers/batch {cache.k.shape[:2]}, expected {(c.num_layers, B)}"
+                )
+            S = cache.max_len
+            slots = jnp.arange(S)
+            mask = slots[None, None, :] <= positions[:, :, None]
+            # Out-of-range positions write to slot S, which mode="drop" discards.
+            write = jnp.where((positions >= 0) & (positions < S), positions, S)
+            rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+
+            def body(carry, xs):
+                x, ck, cv = carry
+                p, layer = xs
+                new = {}
+
+                def attend(q, k, v):
+                    new["k"] = ck.at[layer, rows, write].set(k.astype(ck.dtype), mode="drop")
+                    new["v"] = cv.at[layer, rows, write].set(v.astype(cv.dtype), mode="drop")
+                    keys = new["k"][layer].astype(k.dtype)
+                    values = new["v"][layer].astype(v.dtype)
+                    return attention(q, keys, values, mask)
+
+                x = _layer(c, x, p, cos, sin, attend)
+                return (x, new["k"], new["v"]), None
+
+            (x, ck, cv), _ = jax.lax.scan(
+                body, (x, cache.k, cache.v), (params, jnp.arange(c.num_layers))
+            )
+            cache = KVCache(k=ck, v=cv)
+        return rms_norm(x, self.final_norm[...], c.rms_norm_eps), cache
+
+    def num_params(self) -> int:
+        """Total parameter count."""
+        return sum(int(x.size) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
