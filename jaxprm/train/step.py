@@ -186,6 +186,7 @@ class TrainStep:
 
     # -- state -------------------------------------------------------------------------------
     def init_state(self, params: Any) -> TrainState:
+        params = jax.tree.map(jnp.copy, params)  # the step donates its state: never alias the caller's
         state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32))
         if self.mesh is not None:
             state = jax.device_put(state, self.state_shardings(state))
