@@ -1,0 +1,593 @@
+"""Batched autoregressive sampling with a KV cache: jitted prefill + decode over fixed-shape buckets.
+
+The sampler turns token-id prompts into completions with per-row sampling options. It is the engine
+under ``jaxprm.serve`` and can be held directly by a trainer (in-process rollouts, weight swaps).
+
+Shapes and buckets
+------------------
+A call is padded to static shapes so that steady-state traffic never recompiles:
+
+* batch rows ``B`` rounded up to a batch bucket (default 1, 2, 4, ..., ``max_batch``); padding rows
+  have ``max_new_tokens = 0`` and are finished before the first step;
+* prompt length ``Tp`` rounded up to a prompt bucket (powers of two from 16);
+* output length ``N`` (the largest ``max_new_tokens`` in the call) rounded up to a power of two
+  (from 16); the KV cache holds ``Tp + N`` slots.
+
+One compiled program exists per ``(B, Tp, N, top-n logprobs, filtering on/off)`` key;
+``Sampler.num_compilations`` counts them (each trace is one compilation).
+
+Algorithm (cache slot == absolute position, see ``jaxprm.models.KVCache``)
+---------------------------------------------------------------------------
+1. Prefill: one forward pass over the right-padded prompts ``[B, Tp]`` at positions ``0..Tp-1``
+   fills the cache; its logits are unused (XLA removes the LM head from this pass).
+2. Decode step ``j`` feeds each row's current token at its own position (the last prompt token at
+   ``L_b - 1`` for ``j = 0``), so rows of different prompt lengths decode together. Padding slots past
+   a row's length hold garbage but are never attended (a query at ``p`` attends to slots ``<= p``,
+   and slot ``p`` is written before it is read).
+3. Finished rows keep their position (re-writing one slot) and their outputs are masked; the loop
+   ends when every row is finished or ``N`` steps ran.
+
+Sampling distribution and log-probabilities
+-------------------------------------------
+For row ``b`` with logits ``z`` (float32), temperature ``T``, top-k ``k`` and top-p ``p``:
+
+* ``T == 0``: greedy, ``token = argmax z``.
+* ``T > 0``: ``z' = z / T``; top-k keeps the ``k`` largest entries of ``z'`` (``k <= 0``: all);
+  top-p then keeps the smallest prefix (by decreasing probability, renormalised after top-k) whose
+  exclusive cumulative probability is below ``p`` (always at least one token). The token is drawn
+  from ``softmax(z'')`` where ``z''`` is ``z'`` with discarded entries at ``-inf``.
+
+Two per-token log-probabilities of each sampled token are returned:
+
+* ``logprobs`` ("raw"): ``log_softmax(z)[token]``: the policy itself at temperature 1, no
+  truncation. This is what a learner recomputes from the same weights, i.e. the usual PPO/GRPO
+  ``old_logprobs`` (equal to the sampling distribution when ``T = 1``, ``k <= 0``, ``p = 1``).
+* ``sampling_logprobs`` ("processed"): ``log_softmax(z'')[token]``: the distribution the token was
+  actually drawn from (temperature, top-k and top-p applied). For greedy rows there is no sampling
+  distribution (a point mass), and this field equals the raw log-prob.
+
+Top-n alternatives (``top_logprobs``) are ranked by the raw logits (temperature and truncation do not
+change the order) and reported with both log-probs.
+
+Randomness
+----------
+Each row has its own PRNG key derived from its ``seed`` (and a choice index for ``n > 1``). The
+``j``-th token of a row is drawn with ``fold_in(row_key, j)`` and categorical sampling is done per
+row, so a row's tokens depend only on its seed, its prompt and the weights, not on the other rows of
+the batch (up to floating-point differences between compiled shapes). Rows without a seed get a
+fresh random one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "SamplingParams",
+    "Completion",
+    "Sampler",
+    "DEFAULT_BATCH_BUCKETS",
+    "DEFAULT_PROMPT_BUCKETS",
+    "DEFAULT_NEW_TOKEN_BUCKETS",
+    "MAX_TOP_LOGPROBS",
+    "apply_top_k_top_p",
+    "bucket_for",
+]
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_PROMPT_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768
+DEFAULT_NEW_TOKEN_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768
+#: Largest number of top-n alternatives per position (the OpenAI limit for chat).
+MAX_TOP_LOGPROBS = 20
+#: Number of stop-token slots per row in the compiled program (more stop ids raise an error).
+MAX_STOP_TOKEN_IDS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling options.
+
+    Attributes:
+      max_new_tokens: generate at most this many tokens (>= 0).
+      temperature: 0 for greedy, > 0 scales the logits by ``1 / temperature``.
+      top_p: nucleus mass in ``(0, 1]``; 1 disables.
+      top_k: keep the ``top_k`` most likely tokens; ``<= 0`` disables.
+      seed: row seed (any int); ``None`` draws a fresh one.
+      stop_token_ids: extra token ids that end the row (the stop token is included in the output).
+      ignore_eos: if False (default) the sampler's EOS ids also stop the row.
+      top_logprobs: number of top alternatives to report per position (0 .. ``MAX_TOP_LOGPROBS``).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self):
+        if int(self.max_new_tokens) < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass
+class Completion:
+    """One generated continuation.
+
+    Attributes:
+      prompt_ids: the prompt token ids.
+      token_ids: generated token ids (a stop token, when hit, is the last one).
+      logprobs: raw log-prob of each generated token (policy at temperature 1, see module doc).
+      sampling_logprobs: log-prob under the distribution actually sampled from.
+      top_logprobs: per position, a list of ``(token_id, raw_logprob, sampling_logprob)`` for the top
+        ``top_logprobs`` tokens by raw probability; ``None`` when not requested.
+      finish_reason: ``"stop"`` (a stop/EOS token was generated) or ``"length"`` (max tokens).
+      stop_token_id: the token that stopped the row, or ``None``.
+      weight_version: the sampler's weight version that produced this completion.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float, float]]] | None
+    finish_reason: Literal["stop", "length"]
+    stop_token_id: int | None
+    weight_version: int
+
+
+def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
+    """Smallest bucket ``>= n``; ``ValueError`` naming ``what`` when ``n`` exceeds the largest."""
+    for b in buckets:
+        if n <= b:
+            return int(b)
+    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask logits outside the per-row top-k, then outside the top-p nucleus, with ``-inf``.
+
+    Args:
+      logits: ``float32 [B, V]`` (already temperature-scaled).
+      top_k: ``int32 [B]``; ``<= 0`` keeps all ``V``.
+      top_p: ``float32 [B]`` in ``(0, 1]``; 1 keeps all.
+
+    Returns ``float32 [B, V]``: entries ranked ``r`` (0 = largest) are kept iff ``r < k`` and the
+    exclusive cumulative probability ``sum_{r' < r} q_{r'} < p``, where ``q`` is the softmax of the
+    top-k-truncated logits (rank 0 is always kept). Ties at the threshold value are kept.
+    """
+    chex_rank = logits.ndim == 2 and top_k.ndim == 1 and top_p.ndim == 1
+    if not chex_rank:
+        raise ValueError("apply_top_k_top_p expects logits [B, V], top_k [B], top_p [B]")
+    V = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[:, None]
+    in_k = rank < k
+    probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)
+    exclusive_cum = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (exclusive_cum < top_p[:, None])
+    keep = keep.at[:, 0].set(True)
+    n_keep = jnp.sum(keep, axis=-1)
+    threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _row_key_data(seed: int, choice: int) -> np.ndarray:
+    """Map an arbitrary int seed and choice index to threefry key data ``uint32 [2]``."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(choice)}".encode(), digest_size=8).digest()
+    return np.frombuffer(digest, dtype=np.uint32).copy()
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Host-side padded inputs for one compiled call."""
+
+    prompt: np.ndarray  # int32 [B, Tp]
+    prompt_len: np.ndarray  # int32 [B]
+    max_new: np.ndarray  # int32 [B]
+    temperature: np.ndarray  # float32 [B]
+    top_p: np.ndarray  # float32 [B]
+    top_k: np.ndarray  # int32 [B]
+    key_data: np.ndarray  # uint32 [B, 2]
+    stop_ids: np.ndarray  # int32 [B, S]
+    num_new: int
+    top_n: int
+    filtering: bool
+
+
+class Sampler:
+    """Holds a model's weights and generates completions in fixed-shape, jitted batches.
+
+    Args:
+      model: a ``jaxprm.models.Transformer`` (an ``nnx.Module`` with
+        ``logits, cache = model(tokens, positions, cache)`` and a ``config``).
+      eos_token_ids: ids that end a row unless ``ignore_eos`` (e.g. ``tokenizer.eos_token_ids``).
+      pad_token_id: id used for prompt padding (never attended; any valid id works).
+      max_batch: largest compiled batch; larger calls are split.
+      batch_buckets / prompt_buckets / new_token_buckets: the static shapes (ascending).
+      max_context: longest ``prompt + max_new_tokens``; default ``config.max_position_embeddings``.
+      cache_dtype: KV-cache dtype; default the model's parameter dtype (via ``KVCache.init``).
+      loop: ``"device"`` runs the whole decode loop in one ``lax.while_loop`` program; ``"host"``
+        calls a jitted single step from Python (checking for completion every ``host_sync_every``
+        steps).
+
+    Thread-safety: ``generate`` and ``update_params`` may be called from different threads; a call
+    uses the weights current when it starts.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+        max_batch: int = 64,
+        batch_buckets: Sequence[int] | None = None,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        new_token_buckets: Sequence[int] = DEFAULT_NEW_TOKEN_BUCKETS,
+        max_context: int | None = None,
+        cache_dtype: Any = None,
+        loop: Literal["device", "host"] = "device",
+        host_sync_every: int = 8,
+    ):
+        from jaxprm.models import KVCache  # layer 5 sibling; imported lazily to keep import light
+
+        self._kv_cls = KVCache
+        self.config = model.config
+        self.vocab_size = int(self.config.vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        if loop not in ("device", "host"):
+            raise ValueError(f"loop must be 'device' or 'host', got {loop!r}")
+        self.loop = loop
+        self.host_sync_every = int(host_sync_every)
+        if batch_buckets is None:
+            batch_buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
+        self.max_batch = self.batch_buckets[-1]
+        self.max_context = int(max_context or self.config.max_position_embeddings)
+        self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        self.new_token_buckets = tuple(sorted(int(b) for b in new_token_buckets))
+        self.cache_dtype = cache_dtype
+
+        self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self._params = params
+        self._rest = rest
+        self._param_sig = _signature(params)
+        self._version = 0
+        self._lock = threading.Lock()
+        self._num_traces = 0
+        self._compiled_keys: set[tuple] = set()
+
+        self._jit_generate = jax.jit(
+            self._counted(self._generate_device), static_argnames=("num_new", "top_n", "filtering")
+        )
+        self._jit_prefill = jax.jit(self._counted(self._prefill), static_argnames=("num_new",))
+        self._jit_step = jax.jit(
+            self._counted(self._step), static_argnames=("top_n", "filtering"), donate_argnums=(2,)
+        )
+
+    def _counted(self, fn):
+        """Wrap a function so that each trace (one per compilation) bumps ``num_compilations``."""
+
+        def traced(*args, **kwargs):
+            self._num_traces += 1
+            return fn(*args, **kwargs)
+
+        return traced
+
+    # ----------------------------------------------------------------------------------------
+    # weights
+    @property
+    def weight_version(self) -> int:
+        """Counter bumped by every ``update_params`` (0 for the initial weights)."""
+        return self._version
+
+    @property
+    def params(self) -> nnx.State:
+        """The current parameter state (``nnx.Param`` variables)."""
+        return self._params
+
+    @property
+    def num_compilations(self) -> int:
+        """Number of programs traced (= compiled) so far, over all shapes."""
+        return self._num_traces
+
+    def update_params(self, new: nnx.Module | nnx.State | dict, *, version: int | None = None) -> int:
+        """Swap in new weights without recompiling; returns the new weight version.
+
+        ``new`` is a model of the same architecture, its ``nnx.state(model, nnx.Param)``, or the
+        equivalent pure dict (``nnx.to_pure_dict``). Leaves are cast to the current dtypes; a
+        different tree structure or shape raises ``ValueError`` (it would need a new program).
+        ``version`` sets the counter explicitly (default: current + 1).
+        """
+        if isinstance(new, nnx.Module):
+            state = nnx.state(new, nnx.Param)
+        elif isinstance(new, nnx.State):
+            state = new
+        elif isinstance(new, dict):
+            state = jax.tree.map(lambda x: x, self._params)
+            nnx.replace_by_pure_dict(state, new)
+        else:
+            raise TypeError(f"update_params expects an nnx.Module, nnx.State or dict, got {type(new).__name__}")
+        old_leaves, old_def = jax.tree.flatten(self._params)
+        new_leaves, new_def = jax.tree.flatten(state)
+        if old_def != new_def:
+            raise ValueError("update_params: parameter tree structure differs from the sampler's model")
+        for i, (a, b) in enumerate(zip(old_leaves, new_leaves)):
+            if tuple(a.shape) != tuple(np.shape(b)):
+                raise ValueError(f"update_params: leaf {i} has shape {np.shape(b)}, expected {a.shape}")
+        cast = [jnp.asarray(b, dtype=a.dtype) for a, b in zip(old_leaves, new_leaves)]
+        cast = [jax.device_put(c, a.sharding) for a, c in zip(old_leaves, cast)]
+        with self._lock:
+            self._params = jax.tree.unflatten(old_def, cast)
+            self._version = self._version + 1 if version is None else int(version)
+            return self._version
+
+    # ----------------------------------------------------------------------------------------
+    # public generation
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        choice_index: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """Generate one completion per prompt.
+
+        Args:
+          prompts: token-id lists (each non-empty, ids in ``[0, vocab_size)``).
+          params: one ``SamplingParams`` for all rows or one per row.
+          choice_index: per-row index mixed into the seed (so ``n`` copies of a prompt with one seed
+            differ); default 0 for every row.
+
+        Returns completions in the order of ``prompts``. Raises ``ValueError`` for empty prompts,
+        out-of-vocabulary ids or a prompt + ``max_new_tokens`` longer than ``max_context``.
+        """
+        prompts = [list(map(int, p)) for p in prompts]
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        choice_index = [0] * len(prompts) if choice_index is None else list(choice_index)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.check_request(p, sp, where=f"prompt {i}")
+        seeds = [sp.seed if sp.seed is not None else secrets.randbits(63) for sp in params]
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch):
+            sl = slice(start, start + self.max_batch)
+            out.extend(self._generate_chunk(prompts[sl], params[sl], seeds[sl], choice_index[sl]))
+        return out
+
+    def check_request(self, prompt: Sequence[int], sp: SamplingParams, *, where: str = "prompt") -> None:
+        """Raise ``ValueError`` if a row cannot be served (empty, bad ids, too long, too many stops)."""
+        if len(prompt) == 0:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in prompt if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"{where} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt) + sp.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"{where}: prompt length {len(prompt)} + max_new_tokens {sp.max_new_tokens} = {total} "
+                f"exceeds the context length {self.max_context}"
+            )
+        if len(prompt) > self.prompt_buckets[-1]:
+            raise ValueError(f"{where}: prompt length {len(prompt)} exceeds the largest bucket {self.prompt_buckets[-1]}")
+        if sp.max_new_tokens > self.new_token_buckets[-1]:
+            raise ValueError(f"{where}: max_new_tokens {sp.max_new_tokens} exceeds {self.new_token_buckets[-1]}")
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
+        if len(stops) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"{where}: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stops)}")
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,), prompt_len: int = 16, max_new_tokens: int = 16, **kw) -> None:
+        """Compile the programs for the given batch sizes (prompt/new-token buckets of the args)."""
+        sp = SamplingParams(max_new_tokens=max_new_tokens, **kw)
+        for b in batch_sizes:
+            self.generate([[self.pad_token_id] * prompt_len] * b, sp)
+
+    # ----------------------------------------------------------------------------------------
+    # host-side preparation
+    def _prepare(self, prompts, params, seeds, choices) -> _Prepared:
+        n = len(prompts)
+        B = bucket_for(n, self.batch_buckets, "batch size")
+        Tp = bucket_for(max(len(p) for p in prompts), self.prompt_buckets, "prompt length")
+        N = bucket_for(max(1, max(sp.max_new_tokens for sp in params)), self.new_token_buckets, "max_new_tokens")
+        prompt = np.full((B, Tp), self.pad_token_id, np.int32)
+        prompt_len = np.ones((B,), np.int32)
+        max_new = np.zeros((B,), np.int32)
+        temperature = np.ones((B,), np.float32)
+        top_p = np.ones((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        key_data = np.zeros((B, 2), np.uint32)
+        stop_ids = np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            prompt[i, : len(p)] = p
+            prompt_len[i] = len(p)
+            max_new[i] = sp.max_new_tokens
+            temperature[i] = sp.temperature
+            top_p[i] = sp.top_p
+            top_k[i] = sp.top_k if sp.top_k > 0 else 0
+            key_data[i] = _row_key_data(seeds[i], choices[i])
+            stops = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)))
+            stop_ids[i, : len(stops)] = stops
+        filtering = any(sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in params)
+        top_n = MAX_TOP_LOGPROBS if any(sp.top_logprobs > 0 for sp in params) else 0
+        return _Prepared(prompt, prompt_len, max_new, temperature, top_p, top_k, key_data, stop_ids, N, top_n, filtering)
+
+    def _generate_chunk(self, prompts, params, seeds, choices) -> list[Completion]:
+        prep = self._prepare(prompts, params, seeds, choices)
+        with self._lock:
+            weights, version = self._params, self._version
+        inputs = dict(
+            prompt=prep.prompt, prompt_len=prep.prompt_len, max_new=prep.max_new,
+            temperature=prep.temperature, top_p=prep.top_p, top_k=prep.top_k,
+            key_data=prep.key_data, stop_ids=prep.stop_ids,
+        )
+        if self.loop == "device":
+            res = self._jit_generate(weights, self._rest, inputs, num_new=prep.num_new, top_n=prep.top_n, filtering=prep.filtering)
+        else:
+            res = self._run_host_loop(weights, inputs, prep)
+        res = jax.device_get(res)
+        out = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            n = int(res["num_generated"][i])
+            toks = [int(t) for t in res["tokens"][i, :n]]
+            stopped = bool(res["stopped"][i])
+            top = None
+            if sp.top_logprobs > 0:
+                k = sp.top_logprobs
+                top = [
+                    [(int(res["top_ids"][i, j, r]), float(res["top_raw"][i, j, r]), float(res["top_proc"][i, j, r])) for r in range(k)]
+                    for j in range(n)
+                ]
+            out.append(
+                Completion(
+                    prompt_ids=list(p),
+                    token_ids=toks,
+                    logprobs=[float(x) for x in res["logprobs"][i, :n]],
+                    sampling_logprobs=[float(x) for x in res["sampling_logprobs"][i, :n]],
+                    top_logprobs=top,
+                    finish_reason="stop" if stopped else "length",
+                    stop_token_id=toks[-1] if stopped else None,
+                    weight_version=version,
+                )
+            )
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    # traced programs
+    def _model(self, params, rest):
+        return nnx.merge(self._graphdef, params, rest)
+
+    def _prefill(self, params, rest, inputs, *, num_new: int):
+        """Fill a fresh cache of ``Tp + num_new`` slots from the padded prompts; init loop state."""
+        model = self._model(params, rest)
+        prompt = inputs["prompt"]
+        B, Tp = prompt.shape
+        cache = self._kv_cls.init(self.config, B, Tp + num_new, dtype=self.cache_dtype)
+        positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32)[None], (B, Tp))
+        _, cache = model(prompt, positions, cache=cache)
+        last = inputs["prompt_len"] - 1
+        cur_tok = jnp.take_along_axis(prompt, last[:, None], axis=1)[:, 0]
+        return cache, cur_tok, last
+
+    def _init_outputs(self, B: int, N: int, top_n: int, max_new):
+        k = max(top_n, 1)
+        return dict(
+            tokens=jnp.zeros((B, N), jnp.int32),
+            logprobs=jnp.zeros((B, N), jnp.float32),
+            sampling_logprobs=jnp.zeros((B, N), jnp.float32),
+            top_ids=jnp.zeros((B, N if top_n else 1, k), jnp.int32),
+            top_raw=jnp.zeros((B, N if top_n else 1, k), jnp.float32),
+            top_proc=jnp.zeros((B, N if top_n else 1, k), jnp.float32),
+            num_generated=jnp.zeros((B,), jnp.int32),
+            stopped=jnp.zeros((B,), bool),
+            done=max_new <= 0,
+        )
+
+    def _step(self, params, rest, carry, inputs, *, top_n: int, filtering: bool):
+        """One decode step for every row: forward the current token, sample, record, advance."""
+        if not isinstance(carry, dict):
+            raise TypeError("carry must be a dict")
+        model = self._model(params, rest)
+        cache, cur_tok, cur_pos, out = carry["cache"], carry["cur_tok"], carry["cur_pos"], carry["out"]
+        B = cur_tok.shape[0]
+        logits, cache = model(cur_tok[:, None], cur_pos[:, None], cache=cache)
+        logits = logits[:, 0, :].astype(jnp.float32)
+        raw_lp = jax.nn.log_softmax(logits, axis=-1)
+        temp = inputs["temperature"]
+        greedy = temp <= 0.0
+        scaled = logits / jnp.where(greedy, 1.0, temp)[:, None]
+        if filtering:
+            scaled = apply_top_k_top_p(scaled, inputs["top_k"], inputs["top_p"])
+        proc_lp = jax.nn.log_softmax(scaled, axis=-1)
+        n_gen = out["num_generated"]
+        keys = jax.random.wrap_key_data(inputs["key_data"], impl="threefry2x32")
+        step_keys = jax.vmap(jax.random.fold_in)(keys, n_gen)
+        sampled = jax.vmap(lambda k, z: jax.random.categorical(k, z))(step_keys, scaled)
+        tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+        lp_raw = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
+        lp_proc = jnp.where(greedy, lp_raw, jnp.take_along_axis(proc_lp, tok[:, None], axis=-1)[:, 0])
+
+        done = out["done"]
+        active = ~done
+        rows = jnp.arange(B)
+        idx = jnp.where(active, n_gen, 0)
+
+        def put(buf, val):
+            return buf.at[rows, idx].set(jnp.where(active.reshape((-1,) + (1,) * (val.ndim - 1)), val, buf[rows, idx]))
+
+        new_out = dict(out)
+        new_out["tokens"] = put(out["tokens"], tok)
+        new_out["logprobs"] = put(out["logprobs"], lp_raw)
+        new_out["sampling_logprobs"] = put(out["sampling_logprobs"], lp_proc)
+        if top_n:
+            top_raw, top_ids = jax.lax.top_k(raw_lp, top_n)
+            top_proc = jnp.take_along_axis(proc_lp, top_ids, axis=-1)
+            top_proc = jnp.where(greedy[:, None], top_raw, top_proc)
+            new_out["top_ids"] = put(out["top_ids"], top_ids)
+            new_out["top_raw"] = put(out["top_raw"], top_raw)
+            new_out["top_proc"] = put(out["top_proc"], top_proc)
+        is_stop = jnp.any(tok[:, None] == inputs["stop_ids"], axis=-1) & active
+        n_gen = n_gen + active.astype(jnp.int32)
+        new_out["num_generated"] = n_gen
+        new_out["stopped"] = out["stopped"] | is_stop
+        new_out["done"] = done | is_stop | (n_gen >= inputs["max_new"])
+        cur_tok = jnp.where(active, tok, cur_tok)
+        cur_pos = cur_pos + active.astype(jnp.int32)
+        return dict(cache=cache, cur_tok=cur_tok, cur_pos=cur_pos, out=new_out, step=carry["step"] + 1)
+
+    def _generate_device(self, params, rest, inputs, *, num_new: int, top_n: int, filtering: bool):
+        """Prefill + the whole decode loop in one program (``lax.while_loop``)."""
+        cache, cur_tok, cur_pos = self._prefill(params, rest, inputs, num_new=num_new)
+        B = cur_tok.shape[0]
+        carry = dict(cache=cache, cur_tok=cur_tok, cur_pos=cur_pos,
+                     out=self._init_outputs(B, num_new, top_n, inputs["max_new"]), step=jnp.int32(0))
+
+        def cond(c):
+            return (c["step"] < num_new) & ~jnp.all(c["out"]["done"])
+
+        def body(c):
+            return self._step(params, rest, c, inputs, top_n=top_n, filtering=filtering)
+
+        carry = jax.lax.while_loop(cond, body, carry)
+        return {k: v for k, v in carry["out"].items() if k != "done"}
+
+    def _run_host_loop(self, weights, inputs, prep: _Prepared):
+        """Prefill program, then one jitted step per token called from Python."""
+        dev_inputs = jax.device_put(inputs)
+        cache, cur_tok, cur_pos = self._jit_prefill(weights, self._rest, dev_inputs, num_new=prep.num_new)
+        B = prep.prompt.shape[0]
+        carry = dict(cache=cache, cur_tok=cur_tok, cur_pos=cur_pos,
+                     out=self._init_outputs(B, prep.num_new, prep.top_n, dev_inputs["max_new"]), step=jnp.int32(0))
+        for s in range(prep.num_new):
+            carry = self._jit_step(weights, self._rest, carry, dev_inputs, top_n=prep.top_n, filtering=prep.filtering)
+            if (s + 1) % self.host_sync_every == 0 and bool(jnp.all(carry["out"]["done"])):
+                break
+        return {k: v for k, v in carry["out"].items() if k != "done"}
+
+
+def _signature(tree) -> list[tuple[tuple[int, ...], Any]]:
+    return [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(tree)]

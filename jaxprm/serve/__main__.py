@@ -1,0 +1,53 @@
+"""``python -m jaxprm.serve --model tiny --host 127.0.0.1 --port 8000``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from jaxprm.sampler import Sampler
+from jaxprm.serve.app import ServeConfig, create_app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxprm.serve", description=__doc__)
+    p.add_argument("--model", required=True, help="preset name ('tiny', 'smollm2-135m') or a model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: --model)")
+    p.add_argument("--api-key", default=os.environ.get("JAXPRM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $JAXPRM_API_KEY, else no key)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (rows)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0, help="dynamic batching collection window")
+    p.add_argument("--max-context", type=int, default=None, help="cap on prompt + output tokens")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="output cap when a chat request gives none (default: rest of the context)")
+    p.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed",
+                   help="processed: under the sampling distribution; raw: the policy at temperature 1")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--decode-loop", choices=("device", "host"), default="device")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    from jaxprm.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    sampler = Sampler(model, eos_token_ids=tuple(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id or 0,
+                      max_batch=args.max_batch, max_context=args.max_context, loop=args.decode_loop)
+    config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                         logprobs_mode=args.logprobs_mode, collect_window_s=args.batch_window_ms / 1000.0,
+                         max_batch=args.max_batch)
+    app = create_app(sampler, tokenizer, config, load_fn=load_model)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

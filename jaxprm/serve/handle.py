@@ -1,0 +1,115 @@
+"""In-process server handle: run the generation server in a background thread of the trainer.
+
+    server = ServerHandle.start(model, tokenizer, host="127.0.0.1", port=0)
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    ...
+    server.update_weights(new_params)   # in-process swap, bumps the weight version
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from jaxprm.sampler import Sampler
+from jaxprm.serve.app import ServeConfig, create_app
+
+__all__ = ["ServerHandle"]
+
+
+class ServerHandle:
+    """A running server (uvicorn in a daemon thread) and the sampler behind it.
+
+    Use ``ServerHandle.start`` (from a model) or ``ServerHandle.from_sampler``; ``url`` is the bound
+    ``http://host:port`` and ``base_url`` the OpenAI base (``url + "/v1"``). Also a context manager.
+    """
+
+    def __init__(self, sampler: Sampler, tokenizer, config: ServeConfig, *, host: str, port: int,
+                 load_fn=None, startup_timeout_s: float = 60.0, log_level: str = "warning"):
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.config = config
+        self.app = create_app(sampler, tokenizer, config, load_fn=load_fn)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        uv_config = uvicorn.Config(self.app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(uv_config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                         name=f"jaxprm-serve-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("generation server failed to start (see the log)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"generation server did not start within {startup_timeout_s} s")
+            time.sleep(0.01)
+
+    @classmethod
+    def start(cls, model, tokenizer, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "jaxprm",
+              api_key: str | None = None, config: ServeConfig | None = None, sampler_kwargs: dict[str, Any] | None = None,
+              load_fn=None, **config_overrides) -> ServerHandle:
+        """Build a ``Sampler`` for ``model`` and serve it; ``port=0`` picks a free port.
+
+        ``sampler_kwargs`` go to ``Sampler`` (defaults: the tokenizer's EOS and pad ids);
+        ``config_overrides`` set ``ServeConfig`` fields.
+        """
+        kw = dict(eos_token_ids=tuple(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id or 0)
+        kw.update(sampler_kwargs or {})
+        sampler = Sampler(model, **kw)
+        return cls.from_sampler(sampler, tokenizer, host=host, port=port, model_name=model_name, api_key=api_key,
+                                config=config, load_fn=load_fn, **config_overrides)
+
+    @classmethod
+    def from_sampler(cls, sampler: Sampler, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
+                     model_name: str = "jaxprm", api_key: str | None = None, config: ServeConfig | None = None,
+                     load_fn=None, **config_overrides) -> ServerHandle:
+        """Serve an existing ``Sampler`` (e.g. one the trainer also calls directly)."""
+        if config is None:
+            config = ServeConfig(model_name=model_name, api_key=api_key, **config_overrides)
+        return cls(sampler, tokenizer, config, host=host, port=port, load_fn=load_fn)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def weight_version(self) -> int:
+        return self.sampler.weight_version
+
+    def update_weights(self, params, *, version: int | None = None) -> int:
+        """Swap the served weights in-process (model, ``nnx.State`` or pure dict); returns the version.
+
+        Requests already running finish with the old weights; later batches use the new ones.
+        """
+        return self.sampler.update_params(params, version=version)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut the server down (idempotent); the batching engine stops with it."""
+        if self._thread.is_alive():
+            self._server.should_exit = True
+            self._thread.join(timeout)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

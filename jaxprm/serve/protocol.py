@@ -1,0 +1,127 @@
+"""Request bodies of the generation server (pydantic), in the vLLM / SGLang field conventions.
+
+Unknown fields are ignored (as vLLM does), so clients written for vLLM or SGLang work unchanged;
+fields that change the output in ways this server does not implement (streaming, ``best_of``,
+penalties other than the neutral value, ``echo`` with logprobs) are rejected with a 400 by the app.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "GenerateRequest",
+    "SGLangSamplingParams",
+    "UpdateWeightsFromDiskRequest",
+    "LogprobsMode",
+]
+
+TokenId = int
+LogprobsMode = Literal["raw", "processed"]
+_MAX_SEED = 2**63 - 1
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class _Sampling(_Base):
+    """Sampling fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=-_MAX_SEED - 1, le=_MAX_SEED)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    return_token_ids: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs_mode: LogprobsMode | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (a batch)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class SGLangSamplingParams(_Base):
+    """``sampling_params`` of SGLang's ``/generate``."""
+
+    max_new_tokens: Annotated[int, Field(ge=0)] = 128
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1)] = 1
+    seed: Annotated[int, Field(ge=-_MAX_SEED - 1, le=_MAX_SEED)] | None = None
+    sampling_seed: Annotated[int, Field(ge=-_MAX_SEED - 1, le=_MAX_SEED)] | None = None
+    skip_special_tokens: bool = True
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class GenerateRequest(_Base):
+    """SGLang-style ``POST /generate``: ``text`` or ``input_ids`` (single or batched)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
+    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0)] = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    logprobs_mode: LogprobsMode | None = None
+
+
+class UpdateWeightsFromDiskRequest(_Base):
+    """SGLang-style ``POST /update_weights_from_disk``."""
+
+    model_path: str
+    load_format: str | None = None
+    weight_version: int | str | None = None
