@@ -30,7 +30,8 @@ class AdvantageConfig:
       kl_ctl: coefficient of the per-token KL reward ``-kl_ctl * KL(old, ref)`` (0 disables it).
       kl_estimator: ``"k1" | "k2" | "k3"``.
       gamma, lam: GAE discount and lambda.
-      gae_method: ``"scan" | "associative"``.
+      gae_method: ``"auto"`` (``"cumsum"`` when ``gamma == lam == 1``, else ``"scan"``),
+        ``"scan" | "associative" | "cumsum"``.
       adv_mean_level, adv_std_level: advantage normalization levels (``"batch" | "group" | None``).
       adv_unbiased, adv_eps: unbiased std and epsilon of that normalization.
       shaping_mode: ``None`` (ignore process rewards) or ``"additive" | "gvpo" | "process_weighted"``.
@@ -51,7 +52,7 @@ class AdvantageConfig:
     kl_estimator: str = "k1"
     gamma: float = 1.0
     lam: float = 1.0
-    gae_method: str = "scan"
+    gae_method: str = "auto"
     adv_mean_level: str | None = "batch"
     adv_std_level: str | None = "batch"
     adv_unbiased: bool = True
@@ -66,7 +67,7 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        check_choice("gae_method", self.gae_method, GAE_METHODS)
+        check_choice("gae_method", self.gae_method, ("auto", *GAE_METHODS))
         check_choice("adv_mean_level", self.adv_mean_level, NORM_LEVELS)
         check_choice("adv_std_level", self.adv_std_level, NORM_LEVELS)
         check_choice("shaping_mode", self.shaping_mode, (None, *SHAPING_MODES))
@@ -96,6 +97,12 @@ class Advantages(NamedTuple):
     token_advantages: jax.Array  # process rewards used for shaping (0 in folded mode)
     advantages_gae: jax.Array  # GAE advantages before normalization
     advantages_normalized: jax.Array  # after normalization, before shaping
+
+
+def _gae_method(config: AdvantageConfig) -> str:
+    if config.gae_method != "auto":
+        return config.gae_method
+    return "cumsum" if config.gamma == 1.0 and config.lam == 1.0 else "scan"
 
 
 def _compute_advantages(batch: Batch, config: AdvantageConfig) -> Advantages:
@@ -140,7 +147,7 @@ def _compute_advantages(batch: Batch, config: AdvantageConfig) -> Advantages:
     last = jnp.clip(batch.seq_lens - 1, 0, T - 1)
     boot = jnp.where(truncated, jnp.take_along_axis(values, last[:, None], axis=1)[:, 0], 0.0)
     adv_gae, returns = gae(rewards, values, mask, gamma=config.gamma, lam=config.lam,
-                           method=config.gae_method, bootstrap_values=boot)
+                           method=_gae_method(config), bootstrap_values=boot)
 
     # 5. Advantage normalization, then direct process-reward shaping.
     adv_norm = normalize(

@@ -44,7 +44,8 @@ def test_gae_matches_reference(data, gamma, lam, bootstrap):
     r, v = rng.normal(size=(B, T)), rng.normal(size=(B, T))
     boot = rng.normal(size=B) if bootstrap else None
     want_a, want_r = ref.gae(r, v, mask, gamma, lam, boot)
-    for method in ("scan", "associative"):
+    methods = ("scan", "associative", "cumsum") if gamma == lam == 1.0 else ("scan", "associative")
+    for method in methods:
         a, ret = jaxprm.gae(r, v, mask, gamma=gamma, lam=lam, method=method, bootstrap_values=boot)
         np.testing.assert_allclose(a, want_a, rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(ret, want_r, rtol=1e-10, atol=1e-10)
@@ -61,6 +62,11 @@ def test_gae_scan_and_associative_agree_in_float32():
         a2, _ = jaxprm.gae(r, v, m, gamma=0.99, lam=0.95, method="associative")
         assert a1.dtype == a2.dtype == jnp.float32
         np.testing.assert_allclose(a1, a2, rtol=1e-4, atol=1e-4)
+        b1, _ = jaxprm.gae(r, v, m, method="scan")
+        b3, _ = jaxprm.gae(r, v, m, method="cumsum")
+        np.testing.assert_allclose(b1, b3, rtol=1e-4, atol=2e-4)
+        with pytest.raises(ValueError, match="cumsum' needs gamma == lam == 1"):
+            jaxprm.gae(r, v, m, gamma=0.9, method="cumsum")
 
 
 @SETTINGS
