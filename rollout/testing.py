@@ -178,6 +178,10 @@ class ServerScript:
       fail_statuses: statuses to answer (one per request, in order) before answering normally.
       text_only: answer with text only (no token ids, no logprobs), like a plain OpenAI server.
       weight_version: reported by ``/generate`` in ``meta_info``.
+      delay_queue: per-request delays consumed in order (then ``delay_s``).
+      vllm_token_ids: honour ``return_token_ids`` (False mimics an older vLLM: ids only through
+        ``return_tokens_as_token_ids``).
+      max_inflight: the most requests seen in flight at once.
     """
 
     policy: Policy
@@ -185,15 +189,21 @@ class ServerScript:
     fail_statuses: list[int] = dataclasses.field(default_factory=list)
     text_only: bool = False
     weight_version: str | None = None
+    delay_queue: list[float] = dataclasses.field(default_factory=list)
+    vllm_token_ids: bool = True
     requests: int = 0
+    inflight: int = 0
+    max_inflight: int = 0
     prompts: list[list[int]] = dataclasses.field(default_factory=list)
     record_prompts: bool = False
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
-    def next_fault(self) -> int | None:
+    def next_fault(self) -> tuple[int | None, float]:
         with self._lock:
             self.requests += 1
-            return self.fail_statuses.pop(0) if self.fail_statuses else None
+            fault = self.fail_statuses.pop(0) if self.fail_statuses else None
+            delay = self.delay_queue.pop(0) if self.delay_queue else self.delay_s
+            return fault, delay
 
 
 def _logprobs_for(prompt: Sequence[int], out: Sequence[int]) -> list[float]:
@@ -209,9 +219,14 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
     from starlette.routing import Route
 
     async def _common(prompt: Any, req: dict[str, Any]):
-        fault = script.next_fault()
-        if script.delay_s:
-            await asyncio.sleep(script.delay_s)
+        fault, delay = script.next_fault()
+        script.inflight += 1
+        script.max_inflight = max(script.max_inflight, script.inflight)
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+        finally:
+            script.inflight -= 1
         if fault is not None:
             return None, JSONResponse({"object": "error", "message": f"scripted {fault}", "code": fault}, status_code=fault)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
@@ -237,7 +252,7 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                                   "stop_reason": None, "prompt_logprobs": None}
         if not script.text_only:
-            if body.get("return_token_ids"):
+            if body.get("return_token_ids") and script.vllm_token_ids:
                 choice["token_ids"] = out
                 choice["prompt_token_ids"] = prompt
             if body.get("logprobs") is not None:
@@ -307,7 +322,7 @@ class ScriptedServer:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(build_app(script, tokenizer), log_level="error", lifespan="off",
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, timeout_graceful_shutdown=0.05)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
@@ -322,6 +337,7 @@ class ScriptedServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
+        self._server.force_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
 

@@ -1,0 +1,302 @@
+"""Group rollouts against a real scripted server: PaTR routing on scripted scores, budgets, refill,
+loop stops, group sizes, reproducibility, failure and cancellation."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rollout.client import ClientConfig, GenerationClient, SamplingParams
+from rollout.envs import FrozenLakeEnv, FrozenLakeTask, StepResult, make_tasks
+from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
+from rollout.tree import RolloutError, ScorerAdapter, TreeConfig, run_group, run_groups
+
+SAMPLING = SamplingParams(max_tokens=24)
+
+
+class StepEnv:
+    """Never fails; ends with reward 1 after ``end_at`` turns (None: never)."""
+
+    def __init__(self, end_at=None):
+        self.end_at, self.turn = end_at, 0
+
+    def system_prompt(self, task):
+        return "sys"
+
+    async def reset(self, task):
+        self.turn = 0
+        return f"task {task}"
+
+    async def step(self, text):
+        self.turn += 1
+        done = self.end_at is not None and self.turn >= self.end_at
+        return StepResult(observation=f"obs {self.turn}", reward=1.0 if done else 0.0, done=done,
+                          info={"action": f"a{self.turn}", "success": done})
+
+    def clone(self):
+        c = StepEnv(self.end_at)
+        c.turn = self.turn
+        return c
+
+
+class TableScorer:
+    """Scores from a table keyed by (branch id, turns so far); records every call."""
+
+    def __init__(self, table, default=0.5):
+        self.table, self.default, self.calls = table, default, []
+
+    async def score(self, branch, ctx):
+        key = (ctx["branch_id"], len(branch))
+        self.calls.append(key)
+        assert ctx["messages"][-1]["role"] == "assistant" and ctx["branch"] is branch
+        return self.table.get(key, self.default)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _group(url, cfg, *, env_factory=StepEnv, scorer=None, task="t", tok=None, prompts=None, seed=0):
+    async with GenerationClient(ClientConfig(endpoints=(url,))) as c:
+        return await run_group(task, env_factory=env_factory, client=c, prompts=prompts, config=cfg, scorer=scorer,
+                               group_seed=seed)
+
+
+def _by_branch(g):
+    return {lf.branch_id: lf for lf in g.all_leaves}
+
+
+def test_patr_expands_and_prunes_as_the_algorithm_says(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, m=2, top_k=2, alpha=0.3, theta=None, max_turns=6,
+                     max_branches=None, refill=False, sampling=SAMPLING)
+    scorer = TableScorer({
+        # checkpoint 0 (2 turns): median 0.55 -> prune below 0.25; top-2 = b0, b3
+        ("b0", 2): 0.9, ("b1", 2): 0.1, ("b2", 2): 0.5, ("b3", 2): 0.6,
+        # checkpoint 1 (4 turns): active b4 b5 (children of b0), b2, b6 b7 (of b3); median 0.7
+        ("b4", 4): 0.2, ("b5", 4): 0.8, ("b2", 4): 0.7, ("b6", 4): 0.9, ("b7", 4): 0.1,
+    })
+    g = run(_group(srv.url, cfg, scorer=scorer, prompts=prompts))
+    assert sorted(scorer.calls) == sorted(scorer.table)
+    leaves = _by_branch(g)
+    assert {b: (lf.status, lf.turns) for b, lf in leaves.items()} == {
+        "b1": ("pruned", 2), "b4": ("pruned", 4), "b7": ("pruned", 4), "b2": ("max_turns", 6),
+        "b8": ("max_turns", 6), "b9": ("max_turns", 6), "b10": ("max_turns", 6), "b11": ("max_turns", 6)}
+    s = g.stats
+    assert (s.expanded, s.pruned, s.branches_started, s.children, s.leaves) == (4, 3, 12, 8, 8)
+    assert [(c.active, c.expanded, c.children, c.pruned, c.survived) for c in s.checkpoints] == [
+        (4, 2, 4, 1, 1), (5, 2, 4, 2, 1)]
+    # children share the parent's interactions: b8/b9 descend from b5, which descends from b0
+    br8 = [it.id.split("/")[1] for it in g.tree.branch(leaves["b8"].leaf_id)]
+    assert br8 == ["b0", "b0", "b5", "b5", "b8", "b8"]
+    assert s.sampled_actions == len(g.tree) == 4 * 2 + 5 * 2 + 5 * 2
+    assert s.sibling_shared_tokens > 0 and s.cache_reusable_tokens >= s.sibling_shared_tokens
+
+
+def test_best_n_drops_pruned(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=None,
+                     refill=False, group_mode="best_n", sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, scorer=TableScorer({("b1", 2): 0.0, ("b2", 2): 0.9, ("b3", 2): 0.9}),
+                   prompts=prompts))
+    assert "b1" in {lf.branch_id for lf in g.all_leaves} - {lf.branch_id for lf in g.leaves}
+    assert all(lf.status != "pruned" for lf in g.leaves) and g.stats.leaves == len(g.leaves) == 5
+
+
+def test_max_branches_caps_live_plus_finished(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=1, m=3, top_k=2, alpha=0.0, theta=None, max_turns=5,
+                     max_branches=7, refill=False, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, scorer=TableScorer({}, default=0.5), prompts=prompts))
+    assert len(g.all_leaves) == 7 and g.stats.branches_started - g.stats.expanded == 7
+    # 4 live: first expansion gets 3 children (+2), the second only 2 (+1): cap reached, none later
+    assert g.stats.expanded == 2
+    assert [c.children for c in g.stats.checkpoints] == [5] + [0] * (len(g.stats.checkpoints) - 1)
+
+
+def test_refill_from_root_when_all_die_before_a_checkpoint(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=3, max_turns=6, max_branches=8, refill=True, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, env_factory=lambda: StepEnv(end_at=1), scorer=TableScorer({}), prompts=prompts))
+    assert g.stats.leaves == 8 and g.stats.refills == 4 and not g.stats.checkpoints
+    assert sorted(lf.origin for lf in g.leaves) == ["refill"] * 4 + ["root"] * 4
+    assert all(lf.turns == 1 and lf.status == "success" for lf in g.leaves)
+
+
+def test_refill_branches_again_from_best_checkpoint_state(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, m=2, top_k=2, alpha=0.5, theta=None, max_turns=8,
+                     max_branches=8, refill=True, sampling=SAMPLING)
+    scorer = TableScorer({("b0", 2): 0.2, ("b1", 2): 0.3, ("b2", 2): 0.9, ("b3", 2): 0.8})
+    g = run(_group(srv.url, cfg, env_factory=lambda: StepEnv(end_at=3), scorer=scorer, prompts=prompts))
+    # checkpoint: b2, b3 expand (4 children), b0, b1 survive -> 6 live; all end at turn 3 -> 2 free slots
+    assert g.stats.leaves == 8 and g.stats.refills == 2 and g.stats.expanded == 2
+    refills = [lf for lf in g.leaves if lf.origin == "refill"]
+    assert len(refills) == 2 and all(lf.turns == 3 for lf in refills)
+    parents = {g.tree.branch(lf.leaf_id)[1].id.split("/")[1] for lf in refills}
+    assert parents == {"b2", "b3"}  # the two best checkpoint states
+
+
+@pytest.mark.parametrize("strategy,size", [("flat", 6), ("tree_random", 8), ("patr", 8)])
+def test_group_sizes_match_config(serve, tok, prompts, strategy, size):
+    from rollout.testing import frozenlake_policy
+
+    srv = serve(ServerScript(policy=frozenlake_policy(tok, p_good=0.5)))
+    tasks, _ = make_tasks(1, 6, 0, sizes=(4, 5))
+    cfg = TreeConfig(strategy=strategy, group_size=6, b0=4, k=3, max_turns=10, max_branches=8, sampling=SAMPLING)
+
+    async def go():
+        async with GenerationClient(ClientConfig(endpoints=(srv.url,))) as c:
+            return await run_groups(tasks, env_factory=FrozenLakeEnv, client=c, prompts=prompts, config=cfg,
+                                    scorer=ProgressScorer())
+
+    groups = run(go())
+    assert [g.stats.leaves for g in groups] == [size] * len(tasks)
+    for g in groups:
+        assert len(g.tree.leaves()) == len(g.all_leaves)
+        assert g.stats.sampled_actions == len(g.tree)
+        for lf in g.leaves:
+            last = g.tree.get(lf.leaf_id)
+            assert set(last.env_state) >= {"position", "distance", "start_distance", "in_hole", "success", "done"}
+            assert lf.outcome_reward == (1.0 if lf.status == "success" else 0.0)
+
+
+def test_tree_random_without_refill_size(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="tree_random", b0=4, k=2, m=2, top_k=2, alpha=0.0, theta=None, max_turns=6,
+                     max_branches=None, refill=False, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, prompts=prompts))
+    assert g.stats.leaves == 4 + g.stats.expanded * (cfg.m - 1)
+    assert g.stats.expanded == 4  # top-2 at each of two checkpoints
+
+
+class ProgressScorer:
+    async def score(self, branch, ctx):
+        st = branch[-1].env_state
+        return 0.0 if st["distance"] < 0 else 1.0 / (1.0 + st["distance"])
+
+
+def test_loop_stop(serve, tok, prompts):
+    srv = serve(ServerScript(policy=fixed_text_policy(tok, "```Left```")))
+    task = FrozenLakeTask(desc=("SFF", "FFF", "FFG"), max_turns=10)
+    for strategy in ("flat", "patr"):
+        cfg = TreeConfig(strategy=strategy, group_size=3, b0=3, k=5, theta=3, max_branches=3, sampling=SAMPLING)
+        g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, scorer=ProgressScorer(), task=task, prompts=prompts))
+        assert [(lf.status, lf.turns) for lf in g.leaves] == [("loop", 3)] * 3 and g.stats.loop_stopped == 3
+    cfg = dataclasses.replace(cfg, group_mode="best_n")
+    g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, scorer=ProgressScorer(), task=task, prompts=prompts))
+    assert g.leaves == [] and len(g.all_leaves) == 3
+
+
+def test_reproducible_against_deterministic_server(serve, prompts):
+    srv = serve()
+    task = make_tasks(5, 1, 0, sizes=(5,))[0][0]
+    cfg = TreeConfig(strategy="tree_random", b0=4, k=2, max_turns=8, max_branches=8, seed=3, sampling=SAMPLING)
+
+    def fingerprint(g):
+        return [(lf.branch_id, lf.status, tuple(g.tree.get(lf.leaf_id).model_response.output_tokens),
+                 len(g.tree.get(lf.leaf_id).model_response.input_tokens)) for lf in g.all_leaves]
+
+    a = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts, seed=11))
+    b = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts, seed=11))
+    c = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts, seed=12))
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a) != fingerprint(c)
+
+
+def test_prompts_extend_and_siblings_share_prefix(serve, tok, prompts):
+    script = ServerScript(policy=hashed_action_policy(tok), record_prompts=True)
+    srv = serve(script)
+    cfg = TreeConfig(strategy="patr", b0=2, k=1, m=2, top_k=1, alpha=1.0, theta=None, max_turns=3,
+                     max_branches=None, refill=False, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, scorer=TableScorer({}), prompts=prompts))
+    for lf in g.leaves:
+        chain = g.tree.branch(lf.leaf_id)
+        for prev, nxt in zip(chain, chain[1:]):
+            full = list(prev.model_response.input_tokens) + list(prev.model_response.output_tokens)
+            assert list(nxt.model_response.input_tokens[: len(full)]) == full
+    # the two children of the expanded branch sent identical prompts (a prefix cache serves one from the other)
+    counts = {}
+    for p in script.prompts:
+        counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+    assert max(counts.values()) >= 2
+
+
+def test_failure_fails_the_group_and_cancels_siblings(serve, tok, prompts):
+    script = ServerScript(policy=hashed_action_policy(tok), fail_statuses=[400])
+    srv = serve(script)
+    cfg = TreeConfig(strategy="flat", group_size=4, max_turns=3, sampling=SAMPLING)
+
+    async def go():
+        with pytest.raises(RolloutError, match="HTTP 400"):
+            await _group(srv.url, cfg, prompts=prompts)
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert run(go()) == set()
+
+
+def test_bad_scores_are_rejected(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, sampling=SAMPLING)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        run(_group(srv.url, cfg, scorer=TableScorer({}, default=1.5), prompts=prompts))
+    with pytest.raises(ValueError, match="needs a branch scorer"):
+        run(_group(srv.url, cfg, prompts=prompts))
+
+
+def test_cancelling_a_group_leaves_no_task_running(serve, tok, prompts):
+    srv = serve(ServerScript(policy=hashed_action_policy(tok), delay_s=0.3))
+    cfg = TreeConfig(strategy="flat", group_size=4, max_turns=5, sampling=SAMPLING)
+
+    async def go():
+        async with GenerationClient(ClientConfig(endpoints=(srv.url,))) as c:
+            t = asyncio.create_task(run_group("t", env_factory=StepEnv, client=c, prompts=prompts, config=cfg))
+            await asyncio.sleep(0.5)
+            t.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await t
+            assert not c._sticky and all(v == 0 for v in c._outstanding.values())
+            return {x for x in asyncio.all_tasks() if x is not asyncio.current_task()}
+
+    assert run(go()) == set()
+
+
+class _BaseScorerLike:
+    """Shaped like scorers.BaseScorer: async evaluate(interaction, ctx) -> scalar or [output_len]."""
+
+    name = "like"
+
+    def __init__(self, value):
+        self.value = value
+
+    async def evaluate(self, interaction, ctx):
+        assert ctx["branch"][-1] is interaction
+        return self.value(interaction) if callable(self.value) else self.value
+
+
+def test_scorer_adapter():
+    from rollout.types import Interaction
+
+    it = Interaction(id="x", parent_id=None, messages=[], output_messages=[])
+    ctx = {"branch": [it], "branch_id": "b0"}
+    assert run(ScorerAdapter(_BaseScorerLike(0.25)).score([it], ctx)) == 0.25
+    assert run(ScorerAdapter(_BaseScorerLike(np.array([0.2, 0.4]))).score([it], ctx)) == pytest.approx(0.3)
+    assert run(ScorerAdapter(_BaseScorerLike(np.array([0.2, 0.4])), reduce="last").score([it], ctx)) == 0.4
+    with pytest.raises(ValueError, match="rejected"):
+        run(ScorerAdapter(_BaseScorerLike(None)).score([it], ctx))
+    with pytest.raises(TypeError):
+        ScorerAdapter(object())
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="strategy"):
+        TreeConfig(strategy="beam")
+    with pytest.raises(ValueError, match="group_mode"):
+        TreeConfig(group_mode="best")
+    with pytest.raises(ValueError, match="max_branches"):
+        TreeConfig(b0=4, max_branches=3)
+    with pytest.raises(ValueError, match="theta"):
+        TreeConfig(theta=1)
+    assert TreeConfig(strategy="flat", group_size=5).target_size == 5
+    assert TreeConfig(max_branches=8).target_size == 8
