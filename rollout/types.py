@@ -60,6 +60,13 @@ class ModelResponse:
         if self.stop_reason not in STOP_REASONS:
             raise ValueError(f"stop_reason={self.stop_reason!r}; allowed: {STOP_REASONS}")
 
+    def __copy__(self) -> ModelResponse:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelResponse:
+        # Immutable (frozen, read-only arrays): copies of an interaction share it.
+        return self
+
     @property
     def output_len(self) -> int:
         return int(self.output_tokens.shape[0])

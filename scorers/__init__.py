@@ -1,1 +1,78 @@
-"""Process-reward scorers (layer 3)."""
+"""Process-reward scorers (layer 3: imports ``rollout.types``, numpy, asyncio and httpx; never jax).
+
+- the scorer contract: ``BaseScorer``, ``BaseTrajectoryScorer``, ``PRMScorerResult``,
+  ``PRMMetricObservation`` (``scorers.base``);
+- configuration: ``PRMConfig``, ``ScorerSpec``, ``AdvantageShapingConfig``, ``validate_prm_config``
+  (``scorers.config``);
+- ``PRMRunner`` (``run`` one branch, ``score_branches`` of a tree, owned/borrowed lifecycle) and
+  ``score_branch`` (one scalar for a partial branch, for PaTR) (``scorers.runner``);
+- ``MetricsAccumulator`` (mergeable; ``rollout`` / ``eval-rollout`` namespaces) (``scorers.metrics``);
+- group filters (``scorers.filters``);
+- built-in scorers: ``LengthBudgetScorer``, ``FrozenLakeProgressScorer``, ``LLMJudgeScorer``,
+  ``PRMModelScorer``.
+"""
+
+from scorers.base import (
+    BaseScorer,
+    BaseTrajectoryScorer,
+    PRMMetricObservation,
+    PRMScorerResult,
+    PRMTurnResult,
+    ScoringRejected,
+)
+from scorers.config import (
+    SHAPING_MODES,
+    AdvantageShapingConfig,
+    PRMConfig,
+    ScorerSpec,
+    validate_prm_config,
+)
+from scorers.filters import (
+    FILTER_REASONS,
+    FilterDecision,
+    GroupSample,
+    filter_mixed_or_penalized_all_wrong,
+    filter_mixed_or_penalized_all_wrong_mask_no_eos,
+    new_filter_counters,
+)
+from scorers.frozenlake import FrozenLakeProgressScorer, frozenlake_progress_score
+from scorers.length_budget import LengthBudgetScorer
+from scorers.llm_judge import LLMJudgeScorer
+from scorers.metrics import EVAL_NAMESPACE, ROLLOUT_NAMESPACE, MetricsAccumulator, namespace_for
+from scorers.prm_model import PRMModelScorer
+from scorers.runner import PRMRunner, RunResult, SessionScores, score_branch
+from scorers._http import ScorerHTTPError
+
+__all__ = [
+    "EVAL_NAMESPACE",
+    "FILTER_REASONS",
+    "ROLLOUT_NAMESPACE",
+    "SHAPING_MODES",
+    "AdvantageShapingConfig",
+    "BaseScorer",
+    "BaseTrajectoryScorer",
+    "FilterDecision",
+    "FrozenLakeProgressScorer",
+    "GroupSample",
+    "LLMJudgeScorer",
+    "LengthBudgetScorer",
+    "MetricsAccumulator",
+    "PRMConfig",
+    "PRMMetricObservation",
+    "PRMModelScorer",
+    "PRMRunner",
+    "PRMScorerResult",
+    "PRMTurnResult",
+    "RunResult",
+    "ScorerHTTPError",
+    "ScorerSpec",
+    "ScoringRejected",
+    "SessionScores",
+    "filter_mixed_or_penalized_all_wrong",
+    "filter_mixed_or_penalized_all_wrong_mask_no_eos",
+    "frozenlake_progress_score",
+    "namespace_for",
+    "new_filter_counters",
+    "score_branch",
+    "validate_prm_config",
+]

@@ -1,0 +1,129 @@
+"""A small async JSON-over-HTTP helper for scorers: bounded timeout, bounded retries.
+
+Each attempt is bounded as a whole by ``asyncio.timeout`` (connect, send and the full body read).
+Retried: transport errors, timeouts, HTTP 429 and 5xx, and responses whose body is not the JSON the
+caller's ``parse`` expects (``parse`` raises ``ValueError``/``KeyError``/``TypeError``/``IndexError``).
+Not retried: other 4xx. Backoff doubles from ``backoff_s`` up to ``max_backoff_s``.
+Cancellation propagates at any point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import httpx
+
+__all__ = ["HTTPJsonClient", "ScorerHTTPError"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ScorerHTTPError(RuntimeError):
+    """A scorer's HTTP call failed for good; ``attempts`` lists what happened on each try."""
+
+    def __init__(self, message: str, attempts: list[str]) -> None:
+        super().__init__(f"{message}; attempts: {attempts}")
+        self.attempts = attempts
+
+
+def _check_pos(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return float(value)
+
+
+class HTTPJsonClient:
+    """Lazily created ``httpx.AsyncClient`` (one per event loop) with retrying JSON POSTs.
+
+    Args:
+      base_url: server root, e.g. ``http://127.0.0.1:8000``.
+      api_key: sent as ``Authorization: Bearer <key>`` when given.
+      timeout_s: bound on one whole attempt (> 0).
+      max_retries: extra attempts after the first (>= 0).
+      backoff_s: first retry delay (>= 0), doubling, capped at ``max_backoff_s``.
+      max_concurrency: requests in flight at once from this client (> 0).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 4.0,
+        max_concurrency: int = 16,
+    ) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = _check_pos("timeout_s", timeout_s)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        self.max_retries = max_retries
+        self.backoff_s = _check_pos("backoff_s", backoff_s, allow_zero=True)
+        self.max_backoff_s = _check_pos("max_backoff_s", max_backoff_s, allow_zero=True)
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        self.max_concurrency = max_concurrency
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: httpx.AsyncClient | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _ensure(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            if self._client is not None:
+                logger.warning("scorer HTTP client reused from another event loop: creating a new one")
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=httpx.Timeout(self.timeout_s),
+                limits=httpx.Limits(max_connections=self.max_concurrency),
+            )
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+            self._loop = loop
+        assert self._sem is not None
+        return self._client, self._sem
+
+    async def post_json(self, path: str, payload: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        """POST ``payload`` to ``path`` and return ``parse(response_json)``, retrying as documented."""
+        client, sem = self._ensure()
+        attempts: list[str] = []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            try:
+                async with sem, asyncio.timeout(self.timeout_s):
+                    resp = await client.post(path, json=payload)
+            except TimeoutError:
+                attempts.append(f"timeout after {self.timeout_s}s")
+                continue
+            except httpx.TransportError as err:
+                attempts.append(f"{type(err).__name__}: {err}")
+                continue
+            if resp.status_code == 429 or resp.status_code >= 500:
+                attempts.append(f"HTTP {resp.status_code}")
+                continue
+            if resp.status_code >= 400:
+                attempts.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                raise ScorerHTTPError(f"POST {self.base_url}{path} was refused (not retried)", attempts)
+            try:
+                return parse(resp.json())
+            except (ValueError, KeyError, TypeError, IndexError) as err:
+                attempts.append(f"malformed response ({type(err).__name__}: {err}): {resp.text[:200]!r}")
+                continue
+        raise ScorerHTTPError(f"POST {self.base_url}{path} failed after {self.max_retries + 1} attempt(s)", attempts)
+
+    async def aclose(self) -> None:
+        client, self._client, self._sem, self._loop = self._client, None, None, None
+        if client is not None:
+            await client.aclose()
