@@ -549,11 +549,12 @@ class PRMRunner:
                 raw = to_token_rewards(result.reward, it.output_len)
                 if not np.isfinite(raw).all():
                     raise ValueError("reward has non-finite values")
-                contribution = raw * scorer.weight
-                contribution32 = contribution.astype(np.float32)
+                with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked below
+                    contribution = raw * scorer.weight
+                    contribution32 = contribution.astype(np.float32)
+                    combined = pending[it.id] + contribution32
                 if not (np.isfinite(contribution).all() and np.isfinite(contribution32).all()):
                     raise ValueError(f"reward is non-finite after weighting by {scorer.weight}")
-                combined = pending[it.id] + contribution32
                 if not np.isfinite(combined).all():
                     raise ValueError("the summed token rewards became non-finite")
                 for obs in result.observations:
