@@ -71,7 +71,7 @@ def gae(
         raise ValueError(f"method='cumsum' needs gamma == lam == 1, got gamma={gamma}, lam={lam}")
     fn = {"scan": _gae_scan, "associative": _gae_associative, "cumsum": _gae_cumsum}[method]
     adv_head = fn(rewards[:, :-1], values[:, :-1], m[:, :-1], boot, gamma, lam, unroll)
-    advantages = jnp.concatenate([adv_head, jnp.zeros((B, 1), dtype)], axis=1)
+    advantages = jnp.pad(adv_head, ((0, 0), (0, 1)))
     return advantages, advantages + values
 
 
@@ -122,6 +122,8 @@ def _gae_cumsum(r, v, m, boot, gamma, lam, unroll):
     tail = jax.lax.cumsum(jnp.where(m, r, 0.0), axis=1, reverse=True)
     # Index of the first active position at or after t (T1 if none).
     first = jax.lax.cummin(jnp.where(m, jnp.arange(T1, dtype=jnp.int32), T1), axis=1, reverse=True)
+    # Keep XLA from fusing the window reductions into their consumers (it would recompute them).
+    tail, first = jax.lax.optimization_barrier((tail, first))
     has = first < T1
     v_first = jnp.take_along_axis(v, jnp.minimum(first, T1 - 1), axis=1)
     return jnp.where(has, tail + boot[:, None] - v_first, 0.0)
