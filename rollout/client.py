@@ -85,7 +85,8 @@ class ClientConfig:
     Attributes:
       endpoints: base URLs, e.g. ``("http://127.0.0.1:8000",)``.
       dialect: ``"vllm"`` (``/v1/completions``) or ``"sglang"`` (``/generate``).
-      model: the ``model`` field sent in vLLM requests.
+      model: the ``model`` field of vLLM requests (``None``: omitted, the server's only model).
+      api_key: sent as ``Authorization: Bearer <api_key>`` when set.
       timeout_s: per-request timeout (connect + read), seconds.
       max_retries: retries after the first attempt for retryable failures.
       backoff_base_s / backoff_max_s: exponential backoff ``min(max, base * 2**attempt)``, full jitter.
@@ -95,7 +96,8 @@ class ClientConfig:
 
     endpoints: tuple[str, ...]
     dialect: str = "vllm"
-    model: str = "default"
+    model: str | None = None
+    api_key: str | None = None
     timeout_s: float = 60.0
     max_retries: int = 4
     backoff_base_s: float = 0.05
@@ -144,7 +146,9 @@ class GenerationClient:
                  rng: random.Random | None = None):
         self.config = config
         limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport)
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport,
+                                       headers=headers)
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._outstanding = {e: 0 for e in config.endpoints}
         self._sticky: dict[str, str] = {}
@@ -184,10 +188,12 @@ class GenerationClient:
         ids = [int(t) for t in prompt]
         if self.config.dialect == "vllm":
             body: dict[str, Any] = {
-                "model": self.config.model, "prompt": ids, "max_tokens": p.max_tokens,
+                "prompt": ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "n": 1, "stream": False,
                 "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
             }
+            if self.config.model is not None:
+                body["model"] = self.config.model
             if p.top_k > 0:
                 body["top_k"] = p.top_k
             if p.stop_token_ids:

@@ -1,0 +1,54 @@
+"""The rollout client and tree builder against the embedded jaxprm server (tiny random model).
+
+Checks the wire contract end to end: both dialects return token-backed turns whose ids and logprobs
+the export reproduces exactly, and multi-turn prompts extend each other without drift.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+serve = pytest.importorskip("jaxprm.serve")
+models = pytest.importorskip("jaxprm.models")
+
+from rollout.client import ClientConfig, GenerationClient, SamplingParams  # noqa: E402
+from rollout.envs import FrozenLakeEnv, make_tasks  # noqa: E402
+from rollout.export import export_groups  # noqa: E402
+from rollout.tree import TreeConfig, run_group  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    from jaxprm.sampler import Sampler
+
+    model, tok = models.load_model("tiny")
+    sampler = Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,
+                      batch_buckets=(1, 4), prompt_buckets=(512, 1024), new_token_buckets=(8,))
+    with serve.ServerHandle.from_sampler(sampler, tok, api_key="k") as h:
+        yield h, tok
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_flat_group_against_embedded_server(server, dialect):
+    handle, tok = server
+    task = make_tasks(0, 1, 0, sizes=(4,), max_turns=3)[0][0]
+    cfg = TreeConfig(strategy="flat", group_size=2, max_turns=3, theta=None,
+                     sampling=SamplingParams(max_tokens=8, temperature=1.0))
+
+    async def go():
+        async with GenerationClient(ClientConfig(endpoints=(handle.url,), dialect=dialect, api_key="k",
+                                                 timeout_s=120)) as c:
+            return await run_group(task, env_factory=FrozenLakeEnv, client=c, prompts=tok, config=cfg, group_seed=1)
+
+    g = asyncio.run(go())
+    assert g.stats.leaves == 2 and g.stats.sampled_actions >= 2
+    batch, meta = export_groups([g], row_buckets=(8,), len_buckets=(1024, 2048))
+    lp = np.asarray(batch.old_logprobs)
+    for m in meta:
+        for it in g.tree.branch(m.leaf_id):
+            r = it.model_response
+            assert 0 < r.output_len <= 8 and np.all(r.output_logprobs <= 0)
+            s = r.input_len
+            assert np.array_equal(np.asarray(batch.tokens)[m.row, s:s + r.output_len], r.output_tokens)
+            assert np.array_equal(lp[m.row, s - 1:s - 1 + r.output_len], r.output_logprobs)
