@@ -53,8 +53,21 @@ _INSTRUCTIONS = (
     "Please show your thinking process and put the final action in ``` ```.",
     "In every turn, the final action MUST be one of Up, Down, Left, Right.",
     "You are a helpful assistant.",
+    "You are playing FrozenLake on a grid. Symbols: P is you, _ is frozen ice (safe), O is a hole "
+    "(falling in ends the game), G is the goal. Reach G without stepping into an O.",
+    "Each turn, answer with exactly one move written in a fenced block: ```Left```, ```Down```, "
+    "```Right``` or ```Up```. Left/Right change the column, Up/Down change the row (row 0 is the top).",
+    "Moving into the edge of the grid leaves you where you are.",
 )
 _FEEDBACK = (
+    "You moved {a}.",
+    "You moved {a}.",
+    "You moved {a} into the edge and stayed in place.",
+    "You moved {a} and reached the goal.",
+    "You moved {a} and fell into a hole.",
+    "You moved {a}. Out of turns.",
+    "Invalid answer. Reply with exactly one move in a fenced block: "
+    "```Left```, ```Down```, ```Right``` or ```Up```.",
     "You have not achieved the goal, P has not reached G yet. Please give the next action.",
     "Your last action was invalid. Please answer with one of Up, Down, Left, Right.",
     "You reached the goal!",
@@ -97,10 +110,14 @@ def tiny_corpus(num_episodes: int = 300, seed: int = 0) -> list[str]:
         system = "\n".join(rng.sample(_INSTRUCTIONS, k=rng.randint(4, len(_INSTRUCTIONS))))
         parts = [_turn("system", system)]
         for step in range(rng.randint(1, 6)):
-            obs = f"Current Observation ({step}):\n{_grid(rng, n, sep)}\n"
+            if rng.random() < 0.5:
+                obs = f"Map:\n{_grid(rng, n, ' ')}\n"
+                obs += f"You are at row {rng.randrange(n)}, column {rng.randrange(n)}. What is your move?"
+            else:
+                obs = f"Current Observation ({step}):\n{_grid(rng, n, sep)}\n"
+                obs += f"The maximum number of steps remaining is {rng.randint(1, 20)}."
             if step:
-                obs = rng.choice(_FEEDBACK) + "\n" + obs
-            obs += f"The maximum number of steps remaining is {rng.randint(1, 20)}."
+                obs = rng.choice(_FEEDBACK).format(a=rng.choice(_ACTIONS)) + "\n" + obs
             parts.append(_turn("user", obs))
             a = rng.choice(_ACTIONS)
             thought = rng.choice(_THOUGHTS).format(

@@ -44,16 +44,19 @@ Call convention: ``logits, cache = model(tokens, positions, cache=None)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxprm.models.config import ModelConfig
 from jaxprm.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["Transformer", "KVCache", "rms_norm"]
+__all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention"]
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
@@ -91,37 +94,47 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * y.astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def init_params(config: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+    """Random initial parameters ``{dotted name: array}``: weights ``N(0, 0.02^2)``, norm weights 1,
+    biases 0 (one compiled program per config, so creating a model is fast)."""
+    c = config
+    L, D, H, K, hd, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.intermediate_size, c.vocab_size)
+    shapes = {
+        "embed": (V, D), "lm_head": (V, D),
+        "layers.q_proj": (L, D, H, hd), "layers.k_proj": (L, D, K, hd), "layers.v_proj": (L, D, K, hd),
+        "layers.o_proj": (L, H, hd, D), "layers.gate_proj": (L, D, F), "layers.up_proj": (L, D, F),
+        "layers.down_proj": (L, F, D),
+    }
+    if c.tie_embeddings:
+        del shapes["lm_head"]
+    # One random draw sliced into all weights: many separate draws compile far slower on CPU.
+    sizes = [math.prod(shape) for shape in shapes.values()]
+    flat = 0.02 * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    offsets = np.cumsum([0, *sizes])
+    out = {name: flat[offsets[i]: offsets[i + 1]].reshape(shape).astype(c.dtype)
+           for i, (name, shape) in enumerate(shapes.items())}
+    ones = {"final_norm": (D,), "layers.attn_norm": (L, D), "layers.mlp_norm": (L, D)}
+    zeros = {}
+    if c.qk_norm:
+        ones.update({"layers.q_norm": (L, hd), "layers.k_norm": (L, hd)})
+    if c.qkv_bias:
+        zeros.update({"layers.q_bias": (L, H, hd), "layers.k_bias": (L, K, hd), "layers.v_bias": (L, K, hd)})
+    if c.o_bias:
+        zeros["layers.o_bias"] = (L, D)
+    out.update({name: jnp.ones(shape, c.dtype) for name, shape in ones.items()})
+    out.update({name: jnp.zeros(shape, c.dtype) for name, shape in zeros.items()})
+    return out
+
+
 class DecoderLayers(nnx.Module):
     """All ``L`` decoder layers' parameters, stacked on a leading layer axis (see module docs)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c = config
-        L, D, H, K, hd, F = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.intermediate_size)
-        dt = c.dtype
-        init = nnx.initializers.normal(0.02)
-
-        def weight(*shape):
-            return nnx.Param(init(rngs.params(), shape, dt))
-
-        def const(value, *shape):
-            return nnx.Param(jnp.full(shape, value, dt))
-
-        self.attn_norm = const(1.0, L, D)
-        self.q_proj = weight(L, D, H, hd)
-        self.k_proj = weight(L, D, K, hd)
-        self.v_proj = weight(L, D, K, hd)
-        self.q_bias = const(0.0, L, H, hd) if c.qkv_bias else None
-        self.k_bias = const(0.0, L, K, hd) if c.qkv_bias else None
-        self.v_bias = const(0.0, L, K, hd) if c.qkv_bias else None
-        self.q_norm = const(1.0, L, hd) if c.qk_norm else None
-        self.k_norm = const(1.0, L, hd) if c.qk_norm else None
-        self.o_proj = weight(L, H, hd, D)
-        self.o_bias = const(0.0, L, D) if c.o_bias else None
-        self.mlp_norm = const(1.0, L, D)
-        self.gate_proj = weight(L, D, F)
-        self.up_proj = weight(L, D, F)
-        self.down_proj = weight(L, F, D)
+    def __init__(self, config: ModelConfig, params: dict[str, jax.Array]):
+        for name in self.PARAM_NAMES:
+            value = params.get(f"layers.{name}")
+            setattr(self, name, None if value is None else nnx.Param(value))
 
     PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm",
                    "k_norm", "o_proj", "o_bias", "mlp_norm", "gate_proj", "up_proj", "down_proj")
@@ -180,17 +193,13 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, remat: bool = False):
-        c = config
         self.config = config
         self.remat = remat
-        init = nnx.initializers.normal(0.02)
-        self.embed = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), c.dtype))
-        self.layers = DecoderLayers(config, rngs=rngs)
-        self.final_norm = nnx.Param(jnp.ones((c.hidden_size,), c.dtype))
-        self.lm_head = (
-            None if c.tie_embeddings
-            else nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), c.dtype))
-        )
+        params = init_params(config, rngs.params())
+        self.embed = nnx.Param(params["embed"])
+        self.layers = DecoderLayers(config, params)
+        self.final_norm = nnx.Param(params["final_norm"])
+        self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
