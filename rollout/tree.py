@@ -24,7 +24,11 @@ in the group as negatives under ``group_mode="keep_all"`` and are dropped under 
 Children copy the parent's token prefix, messages and env state (``env.clone()``); all requests of a
 group use one sticky route key, so a server with prefix caching sees siblings' shared prefixes.
 Per-request seeds are derived from (config seed, group seed, branch id, turn), so a group is
-reproducible against a deterministic server.
+reproducible against a deterministic server. Give every group of a training run its own
+``group_seed`` (e.g. ``step * groups_per_step + i``): it also names the group's interactions.
+
+Entry points: ``run_group`` / ``run_groups`` return :class:`GroupResult` (tree, the group's leaves,
+:class:`GroupStats`); ``rollout.export.export_groups`` turns a list of them into a ``jaxprm.Batch``.
 """
 
 from __future__ import annotations
@@ -119,7 +123,9 @@ class TreeConfig:
       group_size: flat group size G.
       b0: initial branches of a tree. k: turns between checkpoints. m: children per expansion.
       top_k: branches expanded per checkpoint. alpha: prune margin below the median score.
-      theta: identical consecutive actions that stop a branch (``None``: never).
+      theta: identical consecutive actions that stop a branch (``None``: never). The action is the
+        env's ``info["action"]`` (FrozenLake: the parsed move, ``None`` for an invalid answer, so
+        repeated invalid answers count as a loop too), else the stripped answer text.
       max_turns: turns per trajectory.
       max_branches: hard cap on live + finished branches of a tree (``None``: no cap).
       refill: when every branch has ended and slots are free, branch again (see module doc).
