@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 DIALECTS = ("vllm", "sglang")
+_JSON_HEADERS = {"Content-Type": "application/json"}
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 
@@ -91,6 +92,7 @@ class ClientConfig:
       max_retries: retries after the first attempt for retryable failures.
       backoff_base_s / backoff_max_s: exponential backoff ``min(max, base * 2**attempt)``, full jitter.
       max_concurrency: requests in flight at once (all endpoints together).
+      connections_per_pool: connections per HTTP pool; ``ceil(max_concurrency / this)`` pools are used.
       require_tokens: fail with :class:`TextOnlyResponseError` on text-only responses.
     """
 
@@ -103,6 +105,7 @@ class ClientConfig:
     backoff_base_s: float = 0.05
     backoff_max_s: float = 2.0
     max_concurrency: int = 64
+    connections_per_pool: int = 8
     require_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -120,6 +123,8 @@ class ClientConfig:
             raise ValueError(f"max_retries={self.max_retries}; must be >= 0")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency}; must be >= 1")
+        if self.connections_per_pool < 1:
+            raise ValueError(f"connections_per_pool={self.connections_per_pool}; must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +150,16 @@ class GenerationClient:
     def __init__(self, config: ClientConfig, *, transport: httpx.AsyncBaseTransport | None = None,
                  rng: random.Random | None = None):
         self.config = config
-        limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+        # httpcore's pool bookkeeping costs O(connections x waiting requests) per event, so many
+        # small pools (connections_per_pool each) are much cheaper than one big one at high concurrency.
+        n_pools = max(1, -(-config.max_concurrency // config.connections_per_pool))
+        per_pool = min(config.connections_per_pool, config.max_concurrency)
+        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport,
-                                       headers=headers)
+        ssl_ctx = httpx.create_ssl_context()  # built once, shared by the pools
+        self._pools = [httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport,
+                                         headers=headers, verify=ssl_ctx) for _ in range(n_pools)]
+        self._pool_load = [0] * n_pools
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._outstanding = {e: 0 for e in config.endpoints}
         self._sticky: dict[str, str] = {}
@@ -162,7 +173,8 @@ class GenerationClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
@@ -185,7 +197,7 @@ class GenerationClient:
     # ------------------------------------------------------------------ requests
 
     def _payload(self, prompt: Sequence[int], p: SamplingParams) -> tuple[str, dict[str, Any]]:
-        ids = [int(t) for t in prompt]
+        ids = prompt if type(prompt) is list else [int(t) for t in prompt]
         if self.config.dialect == "vllm":
             body: dict[str, Any] = {
                 "prompt": ids, "max_tokens": p.max_tokens,
@@ -218,6 +230,11 @@ class GenerationClient:
             raise ValueError("prompt is empty")
         t_build = time.perf_counter()
         path, body = self._payload(prompt, params)
+        try:
+            payload = json.dumps(body, separators=(",", ":")).encode()
+        except TypeError:  # e.g. numpy integers inside a list prompt
+            path, body = self._payload([int(t) for t in prompt], params)
+            payload = json.dumps(body, separators=(",", ":")).encode()
         client_s = time.perf_counter() - t_build
         cfg = self.config
         attempt = 0
@@ -230,8 +247,10 @@ class GenerationClient:
                 self._stats["requests"] += 1
                 t0 = time.perf_counter()
                 status = None
+                k = min(range(len(self._pools)), key=self._pool_load.__getitem__)
+                self._pool_load[k] += 1
                 try:
-                    resp = await self._http.post(ep + path, json=body)
+                    resp = await self._pools[k].post(ep + path, content=payload, headers=_JSON_HEADERS)
                     status = resp.status_code
                     if status == 200:
                         data = resp.content
@@ -240,6 +259,7 @@ class GenerationClient:
                 finally:
                     http_s += time.perf_counter() - t0
                     self._outstanding[ep] -= 1
+                    self._pool_load[k] -= 1
                 if status == 200:
                     break
                 if status is not None:

@@ -353,7 +353,7 @@ class _GroupRun:
         gen = await self.client.generate(b.prompt, params, route_key=self.key)
         t0 = time.perf_counter()
         resp = gen.response
-        if list(resp.input_tokens) != b.prompt:
+        if resp.input_tokens.tolist() != b.prompt:
             raise RolloutError(f"branch {b.id}: the response's prompt differs from the prompt sent")
         text = gen.text if gen.text is not None else self.prompts.tokenizer.decode(resp.output_tokens)
         self.stats.sampled_actions += 1
@@ -382,7 +382,7 @@ class _GroupRun:
         else:
             new_msgs = [{"role": step.role, "content": step.observation}]
             tail = self.prompts.continuation(b.messages, text, new_msgs, resp.output_tokens)
-            new_prompt = b.prompt + list(resp.output_tokens) + tail
+            new_prompt = b.prompt + resp.output_tokens.tolist() + [int(t) for t in tail]
             check_extends(b.prompt, new_prompt)
             b.messages = [*b.messages, {"role": "assistant", "content": text}, *new_msgs]
             b.prompt = new_prompt

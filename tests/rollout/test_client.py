@@ -114,16 +114,20 @@ def test_connection_refused_is_retried_then_fails():
         run(_one(f"http://127.0.0.1:{port}", "vllm", [1], max_retries=2, backoff_base_s=0.001))
 
 
-def test_concurrency_limit(serve, tok):
+@pytest.mark.parametrize("limit,per_pool", [(3, 8), (6, 2)])
+def test_concurrency_limit(serve, tok, limit, per_pool):
     script = ServerScript(policy=fixed_text_policy(tok, "ok"), delay_s=0.05)
     srv = serve(script)
 
     async def go():
-        async with GenerationClient(ClientConfig(endpoints=(srv.url,), max_concurrency=3)) as c:
-            await asyncio.gather(*[c.generate([i + 1], PARAMS) for i in range(12)])
+        cfg = ClientConfig(endpoints=(srv.url,), max_concurrency=limit, connections_per_pool=per_pool)
+        async with GenerationClient(cfg) as c:
+            assert len(c._pools) == -(-limit // per_pool)
+            await asyncio.gather(*[c.generate([i + 1], PARAMS) for i in range(4 * limit)])
+            assert c._pool_load == [0] * len(c._pools)
 
     run(go())
-    assert script.requests == 12 and script.max_inflight == 3
+    assert script.requests == 4 * limit and script.max_inflight == limit
 
 
 def test_least_outstanding_and_sticky_routing(serve, tok):
