@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ModelResponse", "Interaction", "InteractionTree", "STOP_REASONS"]
+__all__ = ["ModelResponse", "Interaction", "InteractionTree", "STOP_REASONS", "branch_messages", "copy_json", "freeze"]
 
 STOP_REASONS = ("stop", "length", "abort")
 
@@ -82,6 +82,23 @@ class ModelResponse:
 
 _ids = itertools.count()
 
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def copy_json(obj: Any) -> Any:
+    """A deep copy of JSON-like data (dict / list / tuple / scalars), several times faster than
+    ``copy.deepcopy`` on chat messages; any other object is deep-copied with ``copy.deepcopy``."""
+    t = type(obj)
+    if t in _ATOMS:
+        return obj
+    if t is dict:
+        return {k: copy_json(v) for k, v in obj.items()}
+    if t is list:
+        return [copy_json(v) for v in obj]
+    if t is tuple:
+        return tuple(copy_json(v) for v in obj)
+    return copy.deepcopy(obj)
+
 
 def new_interaction_id(prefix: str = "it") -> str:
     """A process-unique interaction id."""
@@ -122,12 +139,12 @@ class Interaction:
         return Interaction(
             id=self.id,
             parent_id=self.parent_id,
-            messages=copy.deepcopy(self.messages),
-            output_messages=copy.deepcopy(self.output_messages),
+            messages=copy_json(self.messages),
+            output_messages=copy_json(self.output_messages),
             model_response=self.model_response,
             token_rewards=None if self.token_rewards is None else np.array(self.token_rewards, copy=True),
             reward=self.reward,
-            env_state=copy.deepcopy(self.env_state),
+            env_state=copy_json(self.env_state),
         )
 
 
@@ -198,7 +215,7 @@ def branch_messages(branch: Sequence[Interaction]) -> list[dict[str, Any]]:
     if not branch:
         return []
     last = branch[-1]
-    return [*copy.deepcopy(last.messages), *copy.deepcopy(last.output_messages)]
+    return [*copy_json(last.messages), *copy_json(last.output_messages)]
 
 
 def freeze(obj: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from rollout.types import Interaction
+from rollout.types import Interaction, copy_json
 
 __all__ = ["BranchSnapshot", "ReadOnlyDict", "readonly"]
 
@@ -85,7 +85,7 @@ class BranchSnapshot:
         branch = list(self._views)
         branch[index] = clone
         ctx = dict(base_ctx)
-        ctx["messages"] = copy.deepcopy(self._messages)
+        ctx["messages"] = copy_json(self._messages)
         ctx["branch"] = branch
         ctx["turn_index"] = index
         return clone, ctx
@@ -93,6 +93,6 @@ class BranchSnapshot:
     def trajectory_inputs(self, base_ctx: Mapping[str, Any]) -> tuple[list[Interaction], dict[str, Any]]:
         clones = [it.clone() for it in self._source]
         ctx = dict(base_ctx)
-        ctx["messages"] = copy.deepcopy(self._messages)
+        ctx["messages"] = copy_json(self._messages)
         ctx["branch"] = list(clones)
         return clones, ctx
