@@ -18,7 +18,8 @@ A server that answers with text only raises :class:`TextOnlyResponseError` when
 Reliability: every request has a timeout; connection errors, timeouts, 429 and 5xx are retried with
 bounded exponential backoff (full jitter); an ``asyncio.Semaphore`` bounds in-flight requests.
 Several endpoints are load-balanced by least outstanding requests, with sticky routing per
-``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree.
+``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree; a retry
+after a failure goes to another endpoint (and re-pins the key there).
 """
 
 from __future__ import annotations
@@ -190,6 +191,16 @@ class GenerationClient:
             self._sticky[route_key] = ep
         return ep
 
+    def _failover(self, failed: str, route_key: str | None) -> str:
+        """After a failed attempt, move to the least-loaded *other* endpoint (re-pinning the key)."""
+        others = [e for e in self.config.endpoints if e != failed]
+        if not others:
+            return failed
+        ep = min(others, key=lambda e: (self._outstanding[e], self.config.endpoints.index(e)))
+        if route_key is not None:
+            self._sticky[route_key] = ep
+        return ep
+
     def release(self, route_key: str) -> None:
         """Forget the sticky endpoint of a finished tree."""
         self._sticky.pop(route_key, None)
@@ -274,6 +285,7 @@ class GenerationClient:
                 delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** attempt))
                 await asyncio.sleep(self._rng.uniform(0, delay))
                 attempt += 1
+                ep = self._failover(ep, route_key)
         t_parse = time.perf_counter()
         try:
             data = json.loads(data)

@@ -183,3 +183,23 @@ def test_cancellation_releases_everything(serve, tok):
             return {x for x in asyncio.all_tasks() if x is not asyncio.current_task()}
 
     assert run(go()) == set()
+
+
+def test_retry_fails_over_to_another_endpoint(serve, tok):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    script = ServerScript(policy=fixed_text_policy(tok, "ok"))
+    live = serve(script)
+
+    async def go():
+        async with GenerationClient(ClientConfig(endpoints=(dead, live.url), backoff_base_s=0.001)) as c:
+            gens = [await c.generate([1], PARAMS, route_key="tree") for _ in range(3)]
+            return gens, c._sticky["tree"]
+
+    gens, pinned = run(go())
+    assert pinned == live.url and [g.endpoint for g in gens] == [live.url] * 3
+    assert gens[0].attempts == 2 and gens[1].attempts == 1 and script.requests == 3
