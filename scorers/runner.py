@@ -250,7 +250,7 @@ class PRMRunner:
 
     Args:
       config: ``PRMConfig`` or a mapping (``PRMConfig.from_dict``). With ``enabled: false`` nothing
-        is built and scoring yields zeros.
+        is built and scoring yields zeros. ``None`` means disabled, unless ``scorers`` are given.
       scorers: scorer *instances* to borrow (never closed by the runner). Give scorers either here
         or in ``config.scorers``, not both.
 
@@ -259,7 +259,7 @@ class PRMRunner:
     """
 
     def __init__(self, config: PRMConfig | Mapping[str, Any] | None, scorers: Sequence[BaseScorer] | None = None):
-        self._init_state(config)
+        self._init_state(config, scorers)
         self._build(scorers)
 
     @classmethod
@@ -270,7 +270,7 @@ class PRMRunner:
         order), then re-raise the original error. Ordinary cleanup failures are logged and added to
         the error as notes; cancellation during cleanup propagates. Borrowed scorers are untouched."""
         self = cls.__new__(cls)
-        self._init_state(config)
+        self._init_state(config, scorers)
         try:
             self._build(scorers)
         except Exception as err:
@@ -279,8 +279,9 @@ class PRMRunner:
         return self
 
     # -- construction ---------------------------------------------------------------------------
-    def _init_state(self, config: PRMConfig | Mapping[str, Any] | None) -> None:
-        self.config = as_prm_config(config)
+    def _init_state(self, config: PRMConfig | Mapping[str, Any] | None, borrowed: Sequence[BaseScorer] | None) -> None:
+        # ``PRMRunner(None, scorers=[...])`` means "just these scorers"; a bare ``None`` means disabled.
+        self.config = PRMConfig() if config is None and borrowed else as_prm_config(config)
         self._scorers: list[BaseScorer] = []
         self._owned: list[BaseScorer] = []
         self._closed: set[int] = set()

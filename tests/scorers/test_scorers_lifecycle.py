@@ -257,3 +257,15 @@ def test_cancellation_during_rollback_propagates(monkeypatch):
     run(go())
     a = next(s for s in ResourceScorer.instances if s.label == "a")
     assert a.close_calls == 0  # cancellation stopped the rollback; nothing swallowed it
+
+
+def test_create_with_a_bad_config_builds_nothing():
+    with pytest.raises(ValueError, match="unknown keys"):
+        run(PRMRunner.create({"scorer": []}))
+    assert ResourceScorer.instances == []
+
+
+def test_none_config_means_disabled_unless_instances_are_given():
+    assert not PRMRunner(None).active
+    r = PRMRunner(None, scorers=[ConstScorer(2.0)])
+    assert r.active and list(run(r.run(chain([2])))["t0"]) == [2.0, 2.0]
