@@ -39,4 +39,4 @@ class Policy:
     def module(self, params: dict | None = None) -> nnx.Module:
         """An ``nnx.Module`` carrying ``params`` (default: the current ones)."""
         p = self._params if params is None else params
-        return nnx.merge(self.graphdef, nnx.State(jax.device_get(p)), self.rest)
+        return nnx.merge(self.graphdef, nnx.State(jax.tree.map(jax.numpy.asarray, p)), self.rest)

@@ -1,0 +1,228 @@
+"""Supervised warm start: noisy FrozenLake demonstrations -> a mediocre but format-following policy.
+
+RL from a random tiny model would never see a valid action, let alone a success. An instruct model
+already emits valid actions sometimes; this stage gives the tiny model that starting point:
+
+1. Demonstrations: for ``num_demos`` training maps, play an episode where each move is the
+   BFS-optimal one with probability ``optimal_prob`` and a uniformly random action otherwise
+   (so demos fall into holes and wander). Each assistant reply is ```` ```Action``` ````.
+2. Each episode is tokenized exactly as a rollout would see it (``rollout.chat.PromptBuilder``:
+   first prompt, then sampled tokens + template continuation per turn); the loss mask covers the
+   assistant tokens (reply + end-of-turn).
+3. SFT: token-mean cross-entropy on the masked tokens, AdamW, ``steps`` updates of ``batch_size``
+   episodes, length-bucketed so only a few shapes compile.
+
+The result is cached under ``cache_dir/<hash>/params.npz`` keyed by a hash of everything that
+determines it (model, env, warm-start settings), so later runs skip the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxprm.batch import RowData, pad_rows
+from jaxprm.train.config import config_hash
+from jaxprm.train.step import gather_logprobs
+
+__all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key"]
+
+
+@dataclasses.dataclass
+class Demo:
+    tokens: list[int]
+    mask: list[float]
+    success: bool
+    turns: int
+
+
+def _optimal_actions(env) -> list[str]:
+    from rollout.envs.frozenlake import ACTIONS, bfs_distances
+
+    dist = bfs_distances(env.task.desc)
+    best, out = None, []
+    for a in ACTIONS:
+        (r, c), hole, goal = env.move(a)
+        d = 0 if goal else (-1 if hole else dist[r][c])
+        if d < 0 or (r, c) == env.position:
+            continue
+        if best is None or d < best:
+            best, out = d, [a]
+        elif d == best:
+            out.append(a)
+    return out
+
+
+async def _play(task, prompts, rng: random.Random, optimal_prob: float) -> Demo:
+    from rollout.envs.frozenlake import ACTIONS, FrozenLakeEnv
+
+    env = FrozenLakeEnv()
+    obs = await env.reset(task)
+    messages: list[dict[str, Any]] = []
+    sp = env.system_prompt(task)
+    if sp:
+        messages.append({"role": "system", "content": sp})
+    messages.append({"role": "user", "content": obs})
+    tokens = list(prompts.initial(messages))
+    mask = [0.0] * len(tokens)
+    eos = prompts.eos_token_id
+    success, turns = False, 0
+    while True:
+        opt = _optimal_actions(env)
+        action = rng.choice(opt) if opt and rng.random() < optimal_prob else rng.choice(ACTIONS)
+        text = f"```{action}```"
+        sampled = list(prompts.tokenizer.encode(text)) + [eos]
+        tokens += sampled
+        mask += [1.0] * len(sampled)
+        res = await env.step(text)
+        turns += 1
+        if res.done:
+            success = bool(res.info.get("success"))
+            break
+        new = [{"role": res.role, "content": res.observation}]
+        cont = prompts.continuation(messages, text, new, sampled)
+        messages += [{"role": "assistant", "content": text}, *new]
+        tokens += cont
+        mask += [0.0] * len(cont)
+    return Demo(tokens=tokens, mask=mask, success=success, turns=turns)
+
+
+def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int) -> list[Demo]:
+    """``n`` noisy demonstration episodes on ``tasks`` (cycled), tokenized like rollouts."""
+    from rollout.chat import PromptBuilder
+
+    prompts = PromptBuilder(tokenizer)
+    rng = random.Random(seed)
+
+    async def go():
+        return [await _play(tasks[i % len(tasks)], prompts, rng, optimal_prob) for i in range(n)]
+
+    return asyncio.run(go())
+
+
+def demo_row(d: Demo) -> RowData:
+    toks = np.asarray(d.tokens, np.int32)
+    return RowData(tokens=toks, loss_mask=np.asarray(d.mask, np.float32), logprobs=np.zeros(len(toks), np.float32),
+                   outcome_reward=float(d.success), group_id=0)
+
+
+def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr: float, seed: int,
+        len_buckets=(256, 512, 768, 1024, 2048, 4096), log=None) -> tuple[Any, list[float]]:
+    """Masked next-token cross-entropy SFT; returns ``(params, losses)``.
+
+    Loss per batch: ``-sum_t mask[b,t] log p(tokens[b,t+1] | tokens[b,:t+1]) / sum mask`` (prediction
+    positions; ``mask`` covers the assistant tokens).
+    """
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr * 0.1),
+                                 weight_decay=0.0))
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(seed)
+    # Bucket demos by padded length so each minibatch has one of a few shapes.
+    lens = np.array([len(d.tokens) for d in demos])
+    buckets: dict[int, list[int]] = {}
+    for i, L in enumerate(lens):
+        b = next((x for x in sorted(len_buckets) if L <= x), int(-(-L // 1024) * 1024))
+        buckets.setdefault(b, []).append(i)
+    keys = sorted(buckets)
+    weights = np.array([len(buckets[k]) for k in keys], np.float64)
+    weights /= weights.sum()
+
+    def loss_fn(p, tokens, mask):
+        T = tokens.shape[1]
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
+        lp = gather_logprobs(apply_fn(p, tokens, pos), tokens)
+        return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    @jax.jit
+    def update(p, o, tokens, mask):
+        loss, g = jax.value_and_grad(loss_fn)(p, tokens, mask)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    losses = []
+    for s in range(steps):
+        b = keys[rng.choice(len(keys), p=weights)]
+        idx = rng.choice(buckets[b], size=batch_size, replace=len(buckets[b]) < batch_size)
+        batch = pad_rows([demo_row(demos[i]) for i in idx], row_buckets=(batch_size,), len_buckets=(b,))
+        params, opt_state, loss = update(params, opt_state, batch.tokens, batch.loss_mask)
+        if s % 25 == 0 or s == steps - 1:
+            losses.append(float(loss))
+            if log is not None:
+                log(s, float(loss))
+    return params, losses
+
+
+def warm_start_key(cfg) -> str:
+    """Hash of everything that determines the warm-started params."""
+    return config_hash({"v": 1, "model": dataclasses.asdict(cfg.model), "env": dataclasses.asdict(cfg.env),
+                        "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
+                        "seed": cfg.seed})
+
+
+def _save_npz(path: Path, params) -> None:
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **flat)
+    tmp.replace(path)
+
+
+def _load_npz(path: Path, like) -> Any:
+    data = np.load(path)
+    leaves = []
+    for k, v in jax.tree_util.tree_flatten_with_path(like)[0]:
+        arr = data[jax.tree_util.keystr(k)]
+        if arr.shape != v.shape:
+            raise ValueError(f"cached warm start {path}: {jax.tree_util.keystr(k)} has shape {arr.shape}, expected {v.shape}")
+        leaves.append(jnp.asarray(arr, v.dtype))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def warm_start(cfg, policy, train_tasks, *, log=print) -> tuple[Any, dict[str, Any]]:
+    """Warm-started params for ``policy`` (cached by :func:`warm_start_key`), and a report dict."""
+    w = cfg.warm_start
+    key = warm_start_key(cfg)
+    cache = Path(w.cache_dir).expanduser() / key
+    pfile, rfile = cache / "params.npz", cache / "report.json"
+    if pfile.is_file() and rfile.is_file():
+        try:
+            params = _load_npz(pfile, policy.params)
+            report = json.loads(rfile.read_text())
+            report["cached"] = True
+            log(f"warm start: loaded cached params from {cache}")
+            return params, report
+        except Exception as e:  # a corrupt cache is rebuilt, not fatal
+            log(f"warm start: ignoring unreadable cache {cache}: {e}")
+    t0 = time.perf_counter()
+    demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed)
+    t_demo = time.perf_counter() - t0
+    log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
+        f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")
+    params, losses = sft(policy.apply_fn, policy.params, demos, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                         seed=w.seed, log=lambda s, l: log(f"warm start: step {s} loss {l:.4f}") if s % 100 == 0 else None)
+    report = {
+        "key": key,
+        "demos": len(demos),
+        "demo_success": float(np.mean([d.success for d in demos])),
+        "demo_turns": float(np.mean([d.turns for d in demos])),
+        "demo_tokens": float(np.mean([len(d.tokens) for d in demos])),
+        "sft_steps": w.steps,
+        "sft_loss_first": losses[0],
+        "sft_loss_last": losses[-1],
+        "seconds": time.perf_counter() - t0,
+        "cached": False,
+    }
+    cache.mkdir(parents=True, exist_ok=True)
+    _save_npz(pfile, params)
+    rfile.write_text(json.dumps(report, indent=1))
+    return params, report
