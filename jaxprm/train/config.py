@@ -91,7 +91,7 @@ class RolloutConfig:
     """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step."""
 
     strategy: Literal["flat", "tree_random", "patr"] = "patr"
-    tasks_per_step: int = 16
+    tasks_per_step: int = 8
     group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
     b0: int = 4
     k: int = 5
@@ -104,7 +104,7 @@ class RolloutConfig:
     refill: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 16
+    max_new_tokens: int = 8
     export: Literal["concat", "individual"] = "concat"
     filter: Literal[
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
@@ -181,7 +181,7 @@ class AdvantageSection:
 class OptimizerConfig:
     """AdamW with global-norm gradient clipping and a warmup + cosine/constant schedule."""
 
-    lr: float = 1e-4
+    lr: float = 3e-4
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
@@ -203,7 +203,7 @@ class PPOConfig:
     c_clip: float | None = None
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
-    len_buckets: list[int] = dataclasses.field(default_factory=lambda: [256, 512, 1024, 2048, 4096])
+    len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 1024, 2048, 4096])
 
 
 @dataclasses.dataclass
@@ -211,10 +211,10 @@ class WarmStartConfig:
     """Supervised warm start on noisy generated demonstrations (cached by config hash)."""
 
     enabled: bool = True
-    num_demos: int = 2048
+    num_demos: int = 1024
     optimal_prob: float = 0.5  # probability of taking a BFS-optimal action at each turn
-    steps: int = 300
-    batch_size: int = 32
+    steps: int = 200
+    batch_size: int = 16
     lr: float = 3e-3
     cache_dir: str = "~/.cache/jaxprm/warmstart"
     seed: int = 1234
@@ -223,7 +223,7 @@ class WarmStartConfig:
 @dataclasses.dataclass
 class EvalConfig:
     every_steps: int = 10
-    num_tasks: int = 64
+    num_tasks: int = 32
     samples: int = 4
     greedy: bool = True
     at_start: bool = True
@@ -270,7 +270,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    steps: int = 40
+    steps: int = 30
     seed: int = 0
     run_dir: str = "runs/default"
     log_every: int = 1
