@@ -53,6 +53,18 @@ def tiny():
     return load_model("tiny")[1]
 
 
+@pytest.fixture(scope="module")
+def smollm2_template():
+    from jaxprm.models.gguf_io import _open
+    from jaxprm.models.loading import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    return _open(path)[1].get("tokenizer.chat_template")
+
+
 def test_tiny_tokenizer_is_deterministic_and_task_sized(tiny):
     again = build_tiny_tokenizer()
     assert again.backend.to_str() == tiny.backend.to_str()
@@ -85,17 +97,14 @@ def test_decode_skips_special_tokens(tiny):
 
 @pytest.mark.parametrize("template_name", ["tiny", "tools", "smollm2"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(tiny, template_name, add_generation_prompt):
+def test_chat_template_matches_transformers(tiny, template_name, add_generation_prompt, request):
     transformers = pytest.importorskip("transformers")
     if template_name == "tiny":
         template = tiny.chat_template
     elif template_name == "tools":
         template = TOOL_TEMPLATE
     else:
-        from jaxprm.models.gguf_io import _open
-        from jaxprm.models.loading import smollm2_gguf_path
-
-        template = _open(smollm2_gguf_path())[1].get("tokenizer.chat_template")
+        template = request.getfixturevalue("smollm2_template")
     ours = Tokenizer(tiny.backend, chat_template=template, bos_token="<|im_start|>",
                      eos_token="<|im_end|>", pad_token="<|endoftext|>")
     hf = transformers.PreTrainedTokenizerFast(

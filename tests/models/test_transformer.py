@@ -104,7 +104,7 @@ def test_cache_drops_out_of_range_positions():
 
 
 def test_token_logprobs_shift_and_float32():
-    config = _config("llama", param_dtype="bfloat16")
+    config = _config("llama")
     model = Transformer(config, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 6)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
