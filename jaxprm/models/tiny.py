@@ -159,8 +159,9 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
     )
 
 
-def tiny_config(vocab_size: int = TINY_VOCAB_SIZE, param_dtype: str = "float32") -> ModelConfig:
-    """The tiny model: Llama family, 2 layers, hidden 64, 4 heads (2 KV heads), tied embeddings."""
+def tiny_config(vocab_size: int = TINY_VOCAB_SIZE, param_dtype: str | None = "float32") -> ModelConfig:
+    """The tiny model: Llama family, 2 layers, hidden 64, 4 heads (2 KV heads), tied embeddings
+    (``param_dtype=None`` means float32)."""
     return ModelConfig(
         family="llama",
         vocab_size=vocab_size,
@@ -174,7 +175,7 @@ def tiny_config(vocab_size: int = TINY_VOCAB_SIZE, param_dtype: str = "float32")
         rms_norm_eps=1e-6,
         tie_embeddings=True,
         max_position_embeddings=2048,
-        param_dtype=param_dtype,
+        param_dtype=param_dtype or "float32",
         bos_token_id=None,
         eos_token_id=2,
         pad_token_id=0,
