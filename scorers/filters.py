@@ -20,10 +20,10 @@ reward is ``<= 0`` and some sample has a negative process reward on an active to
 carries a penalty signal). Otherwise the group is rejected, as *all correct* (uniform rewards, all
 ``> 0``) or *all wrong* (uniform rewards, all ``<= 0``, no penalty).
 
-``filter_mixed_or_penalized_all_wrong_mask_no_eos`` matches an actor that zeroes the loss of
-truncated samples (``mask_no_eos_with_zero``): truncated samples are dropped from the penalty check
-first, since their penalties would never reach the loss. Outcome mixedness still uses every sample,
-because all of them enter the group's reward normalization.
+``filter_mixed_or_penalized_all_wrong_mask_no_eos`` matches an actor that zeroes the rewards of
+truncated samples (``mask_no_eos_with_zero``): truncated samples are dropped from the group first
+(DESIGN.md), and the rule above is applied to the samples that ended with EOS. A group whose
+samples were all truncated is rejected (``rejected_all_truncated``).
 
 Each call returns a ``FilterDecision`` (truthy when kept) and, given ``counters``, increments the
 count for its reason (see ``FILTER_REASONS``).
@@ -50,9 +50,11 @@ KEPT_MIXED = "kept_mixed"
 KEPT_PENALIZED_ALL_WRONG = "kept_penalized_all_wrong"
 REJECTED_ALL_CORRECT = "rejected_all_correct"
 REJECTED_ALL_WRONG = "rejected_all_wrong"
+REJECTED_ALL_TRUNCATED = "rejected_all_truncated"
 #: Every reason a decision can carry (the keys ``counters`` is incremented with).
-FILTER_REASONS = (KEPT_MIXED, KEPT_PENALIZED_ALL_WRONG, REJECTED_ALL_CORRECT, REJECTED_ALL_WRONG)
-#: Extra counter of the ``_mask_no_eos`` variant: truncated samples left out of the penalty check.
+FILTER_REASONS = (KEPT_MIXED, KEPT_PENALIZED_ALL_WRONG, REJECTED_ALL_CORRECT, REJECTED_ALL_WRONG,
+                  REJECTED_ALL_TRUNCATED)
+#: Extra counter of the ``_mask_no_eos`` variant: truncated samples dropped before the rule.
 IGNORED_TRUNCATED = "ignored_truncated_samples"
 
 
@@ -136,13 +138,16 @@ def _decide(group: Any, *, drop_truncated: bool, counters: MutableMapping[str, i
         raise ValueError("group must hold at least one sample")
     if not np.isfinite(rewards).all():
         raise ValueError("group outcome rewards must be finite")
-    mixed = bool((rewards != rewards[0]).any())
-    all_wrong = bool((rewards <= 0).all())
     ignored = int(truncated.sum()) if drop_truncated else 0
+    keep_idx = [i for i in range(rewards.size) if not (drop_truncated and truncated[i])]
+    kept = rewards[keep_idx]
+    mixed = bool(kept.size and (kept != kept[0]).any())
+    all_wrong = bool(kept.size and (kept <= 0).all())
     penalized = False
     if not mixed and all_wrong:
-        for i, tr in enumerate(token_rewards):
-            if tr is None or (drop_truncated and truncated[i]):
+        for i in keep_idx:
+            tr = token_rewards[i]
+            if tr is None:
                 continue
             if not np.isfinite(tr).all():
                 raise ValueError(f"sample {i}: token_rewards must be finite")
@@ -150,7 +155,9 @@ def _decide(group: Any, *, drop_truncated: bool, counters: MutableMapping[str, i
             if bool(((tr < 0) & active).any()):
                 penalized = True
                 break
-    if mixed:
+    if not kept.size:
+        decision = FilterDecision(False, REJECTED_ALL_TRUNCATED, ignored)
+    elif mixed:
         decision = FilterDecision(True, KEPT_MIXED, ignored)
     elif penalized:
         decision = FilterDecision(True, KEPT_PENALIZED_ALL_WRONG, ignored)
@@ -179,9 +186,9 @@ def filter_mixed_or_penalized_all_wrong(
 def filter_mixed_or_penalized_all_wrong_mask_no_eos(
     group: Any, *, counters: MutableMapping[str, int] | None = None
 ) -> FilterDecision:
-    """As ``filter_mixed_or_penalized_all_wrong``, but truncated samples are dropped from the
-    penalty check first (their loss is zeroed by ``mask_no_eos_with_zero``). Also counts
-    ``ignored_truncated_samples``."""
+    """As ``filter_mixed_or_penalized_all_wrong``, applied after dropping truncated samples from the
+    group (their rewards are zeroed by ``mask_no_eos_with_zero``); an all-truncated group is
+    rejected. Also counts ``ignored_truncated_samples``."""
     return _decide(group, drop_truncated=True, counters=counters)
 
 

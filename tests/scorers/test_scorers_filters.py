@@ -45,7 +45,7 @@ def test_all_wrong_groups_need_a_negative_process_reward_on_an_active_token():
     assert not masked and masked.reason == "rejected_all_wrong"
 
 
-def test_mask_no_eos_variant_ignores_penalties_of_truncated_samples():
+def test_mask_no_eos_variant_drops_truncated_samples_first():
     group = [s(0.0, [-0.5, 0.0], [1, 1], truncated=True), s(0.0, [0.0, 0.0], [1, 1])]
     assert F(group).reason == "kept_penalized_all_wrong"
     d = FT(group)
@@ -53,8 +53,12 @@ def test_mask_no_eos_variant_ignores_penalties_of_truncated_samples():
     # a penalty on a complete sample still keeps the group
     group.append(s(0.0, [0.0, -0.1], [1, 1]))
     assert FT(group).reason == "kept_penalized_all_wrong"
-    # mixedness still counts every sample (all of them enter reward normalization)
-    assert FT([s(1.0, truncated=True), s(0.0)]).reason == "kept_mixed"
+    # truncated samples are dropped before the mixedness check too (DESIGN.md)
+    assert F([s(1.0, truncated=True), s(0.0)]).reason == "kept_mixed"
+    assert FT([s(1.0, truncated=True), s(0.0)]).reason == "rejected_all_wrong"
+    assert FT([s(1.0, truncated=True), s(0.0), s(1.0)]).reason == "kept_mixed"
+    d = FT([s(1.0, truncated=True), s(0.0, [-1.0], truncated=True)])
+    assert not d and d.reason == "rejected_all_truncated" and d.ignored_truncated == 2
 
 
 def test_batched_form_matches_per_sample_form():
@@ -74,8 +78,10 @@ def test_counters_count_each_reason():
     F([s(1.0), s(1.0)], counters=counters)
     F([s(0.0), s(0.0)], counters=counters)
     FT([s(0.0, [-1.0], truncated=True), s(0.0, [-1.0])], counters=counters)
+    FT([s(0.0, truncated=True)], counters=counters)
     assert counters == collections.Counter(
-        kept_mixed=1, rejected_all_correct=1, rejected_all_wrong=1, kept_penalized_all_wrong=1, ignored_truncated_samples=1
+        kept_mixed=1, rejected_all_correct=1, rejected_all_wrong=1, kept_penalized_all_wrong=1,
+        rejected_all_truncated=1, ignored_truncated_samples=2,
     )
     assert set(FILTER_REASONS) <= set(counters)
     plain: dict = {}
@@ -113,6 +119,11 @@ def test_matches_a_direct_reading_of_the_rule(data):
     r = np.array(rewards)
     mixed = len(set(rewards)) > 1
     pen = ((tr < 0) & (lm == 1)).any()
-    pen_complete = ((tr < 0) & (lm == 1) & ~trunc[:, None]).any()
     assert bool(F(group)) == (mixed or (bool((r <= 0).all()) and bool(pen)))
-    assert bool(FT(group)) == (mixed or (bool((r <= 0).all()) and bool(pen_complete)))
+    # the _mask_no_eos variant: the same rule on the samples that ended with EOS
+    keep = ~trunc
+    r_eos = r[keep]
+    mixed_eos = len(set(r_eos.tolist())) > 1
+    pen_eos = ((tr[keep] < 0) & (lm[keep] == 1)).any()
+    want = bool(keep.any()) and (mixed_eos or (bool((r_eos <= 0).all()) and bool(pen_eos)))
+    assert bool(FT(group)) == want
