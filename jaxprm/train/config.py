@@ -181,7 +181,7 @@ class AdvantageSection:
 class OptimizerConfig:
     """AdamW with global-norm gradient clipping and a warmup + cosine/constant schedule."""
 
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
@@ -270,7 +270,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    steps: int = 30
+    steps: int = 20
     seed: int = 0
     run_dir: str = "runs/default"
     log_every: int = 1
