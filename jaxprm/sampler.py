@@ -9,7 +9,7 @@ A call is padded to static shapes so that steady-state traffic never recompiles:
 
 * batch rows ``B`` rounded up to a batch bucket (default 1, 2, 4, ..., ``max_batch``); padding rows
   have ``max_new_tokens = 0`` and are finished before the first step;
-* prompt length ``Tp`` rounded up to a prompt bucket (powers of two from 16);
+* prompt length ``Tp`` rounded up to a prompt bucket (16, 32, 48, 64, 96, 128, 192, ...);
 * output length ``N`` (the largest ``max_new_tokens`` in the call) rounded up to a power of two
   (from 16); the KV cache holds ``Tp + N`` slots.
 
@@ -64,6 +64,7 @@ import dataclasses
 import hashlib
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -85,7 +86,8 @@ __all__ = [
 ]
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_PROMPT_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768
+#: 16, 32, 48, 64, 96, 128, 192, ... 32768: steps of 1.5x / 1.33x keep prompt padding under ~33%.
+DEFAULT_PROMPT_BUCKETS = tuple(sorted({2**i for i in range(4, 16)} | {3 * 2**i for i in range(4, 14)}))
 DEFAULT_NEW_TOKEN_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768
 #: Largest number of top-n alternatives per position (the OpenAI limit for chat).
 MAX_TOP_LOGPROBS = 20
@@ -282,7 +284,7 @@ class Sampler:
         self._jit_generate = jax.jit(
             self._counted(self._generate_device), static_argnames=("num_new", "top_n", "filtering")
         )
-        self._jit_prefill = jax.jit(self._counted(self._prefill), static_argnames=("num_new",))
+        self._jit_prefill = jax.jit(self._counted(self._prefill), static_argnames=("num_new", "top_n"))
         self._jit_step = jax.jit(
             self._counted(self._step), static_argnames=("top_n", "filtering"), donate_argnums=(2,)
         )
@@ -401,11 +403,42 @@ class Sampler:
         if len(stops) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{where}: at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stops)}")
 
-    def warmup(self, batch_sizes: Sequence[int] = (1,), prompt_len: int = 16, max_new_tokens: int = 16, **kw) -> None:
-        """Compile the programs for the given batch sizes (prompt/new-token buckets of the args)."""
-        sp = SamplingParams(max_new_tokens=max_new_tokens, **kw)
-        for b in batch_sizes:
-            self.generate([[self.pad_token_id] * prompt_len] * b, sp)
+    def precompile(
+        self,
+        batch_sizes: Sequence[int] = (1,),
+        prompt_len: int = 16,
+        max_new_tokens: int = 16,
+        *,
+        top_logprobs: int = 0,
+        filtering: bool = False,
+    ) -> dict[int, float]:
+        """Compile (ahead of time, without running) the programs for these batch sizes.
+
+        Shapes are those of a call with prompts of ``prompt_len`` tokens and ``max_new_tokens``
+        (rounded up to their buckets); ``top_logprobs > 0`` / ``filtering`` select the program
+        variants used by requests with top-n logprobs / top-k or top-p. Returns seconds per batch
+        bucket. Later ``generate`` calls with these shapes do not compile.
+        """
+        times: dict[int, float] = {}
+        sp = SamplingParams(max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
+                            top_k=2 if filtering else 0)
+        for b in sorted({bucket_for(int(x), self.batch_buckets, "batch size") for x in batch_sizes}):
+            prep = self._prepare([[self.pad_token_id] * prompt_len] * b, [sp] * b, [0] * b, [0] * b)
+            inputs = self._device_inputs(prep)
+            with self._lock:
+                weights = self._params
+            t0 = time.perf_counter()
+            if self.loop == "device":
+                self._jit_generate.lower(weights, self._rest, inputs, num_new=prep.num_new, top_n=prep.top_n,
+                                         filtering=prep.filtering).compile()
+            else:
+                lowered = self._jit_prefill.lower(weights, self._rest, inputs, num_new=prep.num_new, top_n=prep.top_n)
+                lowered.compile()
+                carry = lowered.out_info
+                self._jit_step.lower(weights, self._rest, carry, inputs, top_n=prep.top_n,
+                                     filtering=prep.filtering).compile()
+            times[b] = time.perf_counter() - t0
+        return times
 
     # ----------------------------------------------------------------------------------------
     # host-side preparation
@@ -436,15 +469,19 @@ class Sampler:
         top_n = MAX_TOP_LOGPROBS if any(sp.top_logprobs > 0 for sp in params) else 0
         return _Prepared(prompt, prompt_len, max_new, temperature, top_p, top_k, key_data, stop_ids, N, top_n, filtering)
 
+    @staticmethod
+    def _device_inputs(prep: _Prepared) -> dict[str, jax.Array]:
+        return jax.device_put(dict(
+            prompt=prep.prompt, prompt_len=prep.prompt_len, max_new=prep.max_new,
+            temperature=prep.temperature, top_p=prep.top_p, top_k=prep.top_k,
+            key_data=prep.key_data, stop_ids=prep.stop_ids,
+        ))
+
     def _generate_chunk(self, prompts, params, seeds, choices) -> list[Completion]:
         prep = self._prepare(prompts, params, seeds, choices)
         with self._lock:
             weights, version = self._params, self._version
-        inputs = dict(
-            prompt=prep.prompt, prompt_len=prep.prompt_len, max_new=prep.max_new,
-            temperature=prep.temperature, top_p=prep.top_p, top_k=prep.top_k,
-            key_data=prep.key_data, stop_ids=prep.stop_ids,
-        )
+        inputs = self._device_inputs(prep)
         if self.loop == "device":
             res = self._jit_generate(weights, self._rest, inputs, num_new=prep.num_new, top_n=prep.top_n, filtering=prep.filtering)
         else:
@@ -481,17 +518,18 @@ class Sampler:
     def _model(self, params, rest):
         return nnx.merge(self._graphdef, params, rest)
 
-    def _prefill(self, params, rest, inputs, *, num_new: int):
-        """Fill a fresh cache of ``Tp + num_new`` slots from the padded prompts; init loop state."""
+    def _prefill(self, params, rest, inputs, *, num_new: int, top_n: int):
+        """Fill a fresh cache of ``Tp + num_new`` slots from the padded prompts; return the loop carry."""
         model = self._model(params, rest)
         prompt = inputs["prompt"]
         B, Tp = prompt.shape
         cache = self._kv_cls.init(self.config, B, Tp + num_new, dtype=self.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32)[None], (B, Tp))
-        _, cache = model(prompt, positions, cache=cache)
+        _, cache = model(prompt, positions, cache=cache)  # logits unused: XLA drops the LM head
         last = inputs["prompt_len"] - 1
         cur_tok = jnp.take_along_axis(prompt, last[:, None], axis=1)[:, 0]
-        return cache, cur_tok, last
+        return dict(cache=cache, cur_tok=cur_tok, cur_pos=last,
+                    out=self._init_outputs(B, num_new, top_n, inputs["max_new"]), step=jnp.int32(0))
 
     def _init_outputs(self, B: int, N: int, top_n: int, max_new):
         k = max(top_n, 1)
@@ -561,10 +599,7 @@ class Sampler:
 
     def _generate_device(self, params, rest, inputs, *, num_new: int, top_n: int, filtering: bool):
         """Prefill + the whole decode loop in one program (``lax.while_loop``)."""
-        cache, cur_tok, cur_pos = self._prefill(params, rest, inputs, num_new=num_new)
-        B = cur_tok.shape[0]
-        carry = dict(cache=cache, cur_tok=cur_tok, cur_pos=cur_pos,
-                     out=self._init_outputs(B, num_new, top_n, inputs["max_new"]), step=jnp.int32(0))
+        carry = self._prefill(params, rest, inputs, num_new=num_new, top_n=top_n)
 
         def cond(c):
             return (c["step"] < num_new) & ~jnp.all(c["out"]["done"])
@@ -577,14 +612,10 @@ class Sampler:
 
     def _run_host_loop(self, weights, inputs, prep: _Prepared):
         """Prefill program, then one jitted step per token called from Python."""
-        dev_inputs = jax.device_put(inputs)
-        cache, cur_tok, cur_pos = self._jit_prefill(weights, self._rest, dev_inputs, num_new=prep.num_new)
-        B = prep.prompt.shape[0]
-        carry = dict(cache=cache, cur_tok=cur_tok, cur_pos=cur_pos,
-                     out=self._init_outputs(B, prep.num_new, prep.top_n, dev_inputs["max_new"]), step=jnp.int32(0))
+        carry = self._jit_prefill(weights, self._rest, inputs, num_new=prep.num_new, top_n=prep.top_n)
         for s in range(prep.num_new):
-            carry = self._jit_step(weights, self._rest, carry, dev_inputs, top_n=prep.top_n, filtering=prep.filtering)
-            if (s + 1) % self.host_sync_every == 0 and bool(jnp.all(carry["out"]["done"])):
+            carry = self._jit_step(weights, self._rest, carry, inputs, top_n=prep.top_n, filtering=prep.filtering)
+            if (s + 1) % self.host_sync_every == 0 and bool(np.asarray(carry["out"]["done"]).all()):
                 break
         return {k: v for k, v in carry["out"].items() if k != "done"}
 

@@ -21,7 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("JAXPRM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $JAXPRM_API_KEY, else no key)")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (rows)")
-    p.add_argument("--batch-window-ms", type=float, default=5.0, help="dynamic batching collection window")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="dynamic batching: close a batch when no request arrived for this long")
+    p.add_argument("--max-batch-wait-ms", type=float, default=50.0,
+                   help="dynamic batching: close a batch at most this long after its first request")
     p.add_argument("--max-context", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="output cap when a chat request gives none (default: rest of the context)")
@@ -44,6 +47,7 @@ def main(argv=None) -> None:
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          logprobs_mode=args.logprobs_mode, collect_window_s=args.batch_window_ms / 1000.0,
+                         max_collect_s=args.max_batch_wait_ms / 1000.0,
                          max_batch=args.max_batch)
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -67,7 +67,9 @@ class ServeConfig:
       default_max_tokens: chat / default cap when the request gives none (``None``: rest of context).
       logprobs_mode: ``"processed"`` (sampling distribution) or ``"raw"`` (temperature-1 policy).
       request_timeout_s: a request waiting longer for generation gets 504.
-      collect_window_s / max_batch: dynamic-batching window and largest batch (rows).
+      collect_window_s / max_collect_s / max_batch: dynamic batching: a batch closes when no request
+        arrived for ``collect_window_s``, ``max_collect_s`` after its first request, or at
+        ``max_batch`` rows (see ``BatchingEngine``).
       max_stop_strings: most ``stop`` strings per request.
     """
 
@@ -80,6 +82,7 @@ class ServeConfig:
     logprobs_mode: str = "processed"
     request_timeout_s: float = 600.0
     collect_window_s: float = 0.005
+    max_collect_s: float = 0.05
     max_batch: int | None = None
     max_stop_strings: int = 16
 
@@ -182,7 +185,8 @@ class _Server:
         self.tokenizer = tokenizer
         self.config = config
         self.load_fn = load_fn
-        self.engine = BatchingEngine(sampler, max_batch=config.max_batch, collect_window_s=config.collect_window_s)
+        self.engine = BatchingEngine(sampler, max_batch=config.max_batch, collect_window_s=config.collect_window_s,
+                                     max_collect_s=config.max_collect_s)
         self.created = int(time.time())
         self._swap_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
@@ -196,6 +200,11 @@ class _Server:
             if len(self._token_text) < 1_000_000:
                 self._token_text[token_id] = text
         return text
+
+    @staticmethod
+    def token_label(token_id: int) -> str:
+        """vLLM's ``return_tokens_as_token_ids`` form of a token: ``"token_id:<id>"``."""
+        return f"token_id:{token_id}"
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -476,19 +485,20 @@ def create_app(
                 text = prompt_text + text
             choice: dict[str, Any] = {"index": idx, "text": text, "logprobs": None, "finish_reason": reason,
                                       "stop_reason": stop_reason}
+            tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
             if req.logprobs is not None:
                 lps, tops = _choice_logprob_arrays(c, n_keep, mode)
-                toks = [srv.token_text(t) for t in ids]
+                toks = [tok_str(t) for t in ids]
                 offsets, pos = [], 0
-                for t in toks:
+                for t in ids:
                     offsets.append(pos)
-                    pos += len(t)
+                    pos += len(srv.token_text(t))
                 top_dicts = []
                 for j, t in enumerate(ids):
                     d = {toks[j]: lps[j]}
                     if tops is not None:
                         for tid, lp in tops[j][: req.logprobs]:
-                            d.setdefault(srv.token_text(tid), lp)
+                            d.setdefault(tok_str(tid), lp)
                     top_dicts.append(d)
                 choice["logprobs"] = {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
                                       "top_logprobs": top_dicts}
@@ -562,14 +572,15 @@ def create_app(
             choice: dict[str, Any] = {"index": idx, "message": {"role": "assistant", "content": text},
                                       "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
             if req.logprobs:
+                tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
                 lps, tops = _choice_logprob_arrays(c, n_keep, mode)
                 content = []
                 for j, t in enumerate(ids):
-                    tok = srv.token_text(t)
+                    tok = tok_str(t)
                     alts = []
                     if tops is not None:
                         for tid, lp in tops[j][:top_n]:
-                            s = srv.token_text(tid)
+                            s = tok_str(tid)
                             alts.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
                     content.append({"token": tok, "logprob": lps[j], "bytes": list(tok.encode("utf-8")),
                                     "top_logprobs": alts})

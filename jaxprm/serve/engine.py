@@ -1,8 +1,9 @@
 """Dynamic batching: concurrent generation requests are gathered into one sampler call.
 
 A single worker thread owns the ``Sampler``. It blocks until a request arrives, then keeps
-collecting for a short window (``collect_window_s``) or until ``max_batch`` rows are waiting, runs one
-batched ``Sampler.generate`` over all gathered rows, and resolves each request's future with its
+collecting while requests keep coming: it stops when no new request arrived for ``collect_window_s``,
+when ``max_collect_s`` passed since the first one, or when ``max_batch`` rows are waiting. It then runs
+one batched ``Sampler.generate`` over all gathered rows, and resolves each request's future with its
 completions. Requests are never split across batches (a request with more rows than ``max_batch``
 runs alone; the sampler splits it into compiled chunks). Cancelled requests are dropped before they
 run. JAX releases the GIL while it computes, so the HTTP event loop stays responsive.
@@ -11,6 +12,7 @@ run. JAX releases the GIL while it computes, so the HTTP event loop stays respon
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -37,13 +39,15 @@ class _Request:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since start: batches run, rows generated, tokens generated, largest batch."""
+    """Counters since start: batches run, rows generated, tokens generated, largest batch, and the
+    sizes (rows) of the most recent batches."""
 
     batches: int = 0
     rows: int = 0
     tokens: int = 0
     max_rows_in_batch: int = 0
     busy_s: float = 0.0
+    recent_batch_rows: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
 
 
 class BatchingEngine:
@@ -52,13 +56,16 @@ class BatchingEngine:
     Args:
       sampler: the sampler to run (the engine's worker is its only caller for generation).
       max_batch: most rows per batch (default ``sampler.max_batch``).
-      collect_window_s: after the first request arrives, wait at most this long for more.
+      collect_window_s: close the batch when no request arrived for this long.
+      max_collect_s: close the batch at most this long after its first request arrived.
     """
 
-    def __init__(self, sampler: Sampler, *, max_batch: int | None = None, collect_window_s: float = 0.005):
+    def __init__(self, sampler: Sampler, *, max_batch: int | None = None, collect_window_s: float = 0.005,
+                 max_collect_s: float = 0.05):
         self.sampler = sampler
         self.max_batch = int(max_batch or sampler.max_batch)
         self.collect_window_s = float(collect_window_s)
+        self.max_collect_s = max(float(max_collect_s), self.collect_window_s)
         self.stats = EngineStats()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._pending: _Request | None = None
@@ -144,10 +151,11 @@ class BatchingEngine:
             return []
         batch = [first]
         rows = len(first.prompts)
-        deadline = time.perf_counter() + self.collect_window_s
+        hard_deadline = time.perf_counter() + self.max_collect_s
         while rows < self.max_batch:
-            remaining = deadline - time.perf_counter()
-            req = self._next_request(timeout=max(remaining, 0.0)) if remaining > 0 else self._next_nowait()
+            now = time.perf_counter()
+            wait = min(self.collect_window_s, hard_deadline - now)
+            req = self._next_request(timeout=wait) if wait > 0 else self._next_nowait()
             if req is None:
                 break
             if rows + len(req.prompts) > self.max_batch:
@@ -195,6 +203,7 @@ class BatchingEngine:
             self.stats.rows += len(prompts)
             self.stats.tokens += sum(len(c.token_ids) for c in results)
             self.stats.max_rows_in_batch = max(self.stats.max_rows_in_batch, len(prompts))
+            self.stats.recent_batch_rows.append(len(prompts))
             self.stats.busy_s += dt
             i = 0
             for r in live:

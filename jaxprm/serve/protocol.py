@@ -44,6 +44,7 @@ class _Sampling(_Base):
     ignore_eos: bool = False
     stream: bool = False
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -184,8 +184,8 @@ def test_steady_state_never_recompiles(tiny, sampler):
     _, tok = tiny
     prompts = _prompts(tok)
     rng = np.random.default_rng(0)
-    sampler.generate(prompts, SamplingParams(max_new_tokens=16, seed=0))  # B=4 bucket, Tp=16/32, N=16
-    sampler.generate([prompts[0]] * 4, SamplingParams(max_new_tokens=9, seed=0))
+    times = sampler.precompile([3], prompt_len=15, max_new_tokens=10)  # ahead of time: B=4, Tp=16, N=16
+    assert list(times) == [4]
     before = sampler.num_compilations
     for i in range(6):
         k = int(rng.integers(2, 5))

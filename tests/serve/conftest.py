@@ -15,6 +15,11 @@ SAMPLER_KW = dict(batch_buckets=(1, 4, 16), prompt_buckets=(32, 128), new_token_
 
 
 @pytest.fixture(scope="module")
+def sampler_kw():
+    return dict(SAMPLER_KW)
+
+
+@pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny")
 

@@ -83,6 +83,12 @@ def test_completion_token_ids_in_and_out(http, tiny):
     assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 8
     assert c["text"] == tok.decode(c["token_ids"])
     assert len(c["logprobs"]["token_logprobs"]) == 8
+    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:<id>"
+    body = http.post("/v1/completions", json=dict(prompt=ids, max_tokens=8, temperature=0.9, seed=5, logprobs=1,
+                                                  return_tokens_as_token_ids=True, ignore_eos=True)).json()
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for d in lp["top_logprobs"] for k in d)
     # batch of token-id prompts: choices ordered prompt-major
     body = http.post("/v1/completions", json=dict(prompt=[ids, ids[:3]], n=2, max_tokens=4, temperature=0,
                                                   return_token_ids=True)).json()
