@@ -15,8 +15,9 @@ Reported:
   steady state (``recompiled_during_levels`` checks it);
 * ``ttft_s``: time to first token on an idle server, measured as the median latency of a
   ``max_tokens=1`` request (the server does not stream, so this is prefill + one decode step + HTTP);
-* per concurrency: generated tokens/s over the whole level, request latency (median / p90), the
-  mean rows per batch the engine ran;
+* per concurrency: generated tokens/s over the whole level ("gen tok/s"), prompt + generated tokens/s
+  ("all tok/s": every request also prefills its prompt, which dominates the work on a CPU), request
+  latency (median / p90), the mean rows per batch the engine ran;
 * ``direct``: the sampler without HTTP at batch 1 / 8 / 32 / 64 (``--compare-loops`` also times the
   host-driven decode loop against the on-device ``while_loop``).
 """
@@ -61,9 +62,10 @@ def _percentile(xs, q):
 async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, per_client: int, max_tokens: int):
     latencies: list[float] = []
     tokens = 0
+    prompt_tokens = 0
 
     async def worker(cid: int, client: httpx.AsyncClient):
-        nonlocal tokens
+        nonlocal tokens, prompt_tokens
         for j in range(per_client):
             body = dict(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=1.0,
                         seed=cid * 1000 + j, ignore_eos=True)
@@ -71,7 +73,9 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
             r = await client.post("/v1/completions", json=body)
             latencies.append(time.perf_counter() - t0)
             r.raise_for_status()
-            tokens += r.json()["usage"]["completion_tokens"]
+            usage = r.json()["usage"]
+            tokens += usage["completion_tokens"]
+            prompt_tokens += usage["prompt_tokens"]
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
@@ -79,7 +83,7 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
         await asyncio.gather(*(worker(i, client) for i in range(concurrency)))
         wall = time.perf_counter() - t0
     return dict(concurrency=concurrency, requests=len(latencies), tokens=tokens, wall_s=wall,
-                tokens_per_s=tokens / wall, latency_median_s=statistics.median(latencies),
+                tokens_per_s=tokens / wall, prompt_plus_generated_tokens_per_s=(tokens + prompt_tokens) / wall, latency_median_s=statistics.median(latencies),
                 latency_p90_s=_percentile(latencies, 0.9))
 
 
@@ -153,10 +157,12 @@ def bench_model(name: str, *, concurrency, per_client: int, max_tokens: int, max
 
 def print_table(results) -> None:
     print()
-    print(f"{'model':14s} {'params':>10s} {'conc':>5s} {'tok/s':>10s} {'lat p50 s':>10s} {'lat p90 s':>10s} {'rows/batch':>10s}")
+    print(f"{'model':14s} {'params':>10s} {'conc':>5s} {'gen tok/s':>10s} {'all tok/s':>10s} {'lat p50 s':>10s} "
+          f"{'lat p90 s':>10s} {'rows/batch':>10s}")
     for r in results:
         for lv in r["levels"]:
             print(f"{r['model']:14s} {r['params']:>10d} {lv['concurrency']:>5d} {lv['tokens_per_s']:>10.1f} "
+                  f"{lv['prompt_plus_generated_tokens_per_s']:>10.1f} "
                   f"{lv['latency_median_s']:>10.3f} {lv['latency_p90_s']:>10.3f} {lv['mean_rows_per_batch']:>10.1f}")
     print()
     for r in results:

@@ -114,6 +114,10 @@ def _error_response(status: int, message: str, *, param: str | None = None, type
 # ASGI middleware: request size limit and API key
 
 
+class _TooLarge(Exception):
+    """Raised from ``receive`` when a streamed request body passes the size limit."""
+
+
 class _LimitsMiddleware:
     """Reject bodies over ``max_body_bytes`` (413) and, if configured, missing/wrong API keys (401)."""
 
@@ -144,32 +148,37 @@ class _LimitsMiddleware:
                 return await _error_response(413, msg)(scope, receive, send)
         received = 0
         limit = self.max_body_bytes
-
-        class _TooLarge(Exception):
-            pass
+        too_large = False
+        started = False
+        msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
+                    too_large = True
                     raise _TooLarge
             return message
 
-        started = False
-
-        async def tracking_send(message):
+        async def guarded_send(message):
+            # A streamed body over the limit: whatever the app answers (it may catch the error while
+            # parsing and reply 400), the client gets a 413.
             nonlocal started
+            if too_large:
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await _error_response(413, msg)(scope, receive, send)
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, guarded_send)
         except _TooLarge:
             if not started:
-                msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
                 await _error_response(413, msg)(scope, receive, send)
 
 

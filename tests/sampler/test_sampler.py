@@ -81,8 +81,9 @@ def test_batch_composition_does_not_change_a_row(tiny, sampler):
     prompts = _prompts(tok)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
     alone = sampler.generate([prompts[0]], sp)[0]
-    # different batch size, padding bucket and neighbours (one of them much longer)
-    crowd = sampler.generate([prompts[2], prompts[0], prompts[1] * 10], [SamplingParams(max_new_tokens=30, seed=7), sp, sp])
+    # different batch size, prompt bucket (64 vs 16), output bucket (32 vs 16) and neighbours
+    long_prompt = (prompts[2] * 8)[:40]
+    crowd = sampler.generate([prompts[2], prompts[0], long_prompt], [SamplingParams(max_new_tokens=30, seed=7), sp, sp])
     assert crowd[1].token_ids == alone.token_ids
     np.testing.assert_allclose(crowd[1].logprobs, alone.logprobs, atol=1e-5)
     again = sampler.generate([prompts[0]], sp)[0]

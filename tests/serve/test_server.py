@@ -248,6 +248,15 @@ def test_body_size_limit_and_unknown_routes(http):
     r = http.post("/v1/completions", content=b"{" + b" " * (5 * 1024 * 1024) + b"}",
                   headers={"content-type": "application/json"})
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+
+    def chunked():  # no Content-Length: the limit is enforced while the body streams in
+        yield b'{"prompt": "'
+        for _ in range(60):
+            yield b"x" * (100 * 1024)
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
     assert http.get("/v1/nothing").status_code == 404
     assert http.get("/v1/completions").status_code == 405
     assert http.get("/health").status_code == 200
