@@ -203,6 +203,7 @@ class PPOConfig:
     c_clip: float | None = None
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
+    microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
     len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 1024, 2048, 4096])
 
 
@@ -533,7 +534,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", "must be in [0, 1)")
     _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     p = cfg.ppo
-    _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows")
+    _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows", "microbatch_rows")
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", f"dual clip must be > 1 (or null), got {p.c_clip}")
     _check(bool(p.len_buckets) and all(b > 0 for b in p.len_buckets), "ppo.len_buckets", "must be a non-empty list of positive ints")
     if p.max_rows is not None:

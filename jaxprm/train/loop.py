@@ -224,7 +224,7 @@ class _Job:
             epochs=cfg.ppo.epochs, num_minibatches=cfg.ppo.num_minibatches,
             loss_kwargs=dict(eps_clip=cfg.ppo.eps_clip, eps_clip_higher=cfg.ppo.eps_clip_higher,
                              c_clip=cfg.ppo.c_clip, agg=cfg.ppo.agg),
-            mesh=self.mesh if n_dev > 1 else None,
+            mesh=self.mesh if n_dev > 1 else None, microbatch_rows=cfg.ppo.microbatch_rows,
         )
         self.adv_cfg = build_advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -262,8 +262,9 @@ class _Job:
             self.log(f"resumed from step {step} ({self.run_dir})")
         self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None)
         self.stream = _TaskStream(self.train_tasks, cfg.seed, data_pos)
-        self.history = [r for r in _read_rows(self.run_dir) if r.get("kind") == "eval"]
-        if restore_step is None and self.warm_report:
+        rows = _read_rows(self.run_dir)
+        self.history = [r for r in rows if r.get("kind") == "eval"]
+        if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):
             self.metrics.log(0, "warm_start", {k: v for k, v in self.warm_report.items()
                                                 if isinstance(v, (int, float, bool))})
 

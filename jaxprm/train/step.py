@@ -158,6 +158,10 @@ class TrainStep:
       epochs, num_minibatches: PPO passes over the batch and minibatches per pass.
       loss_kwargs: static keyword options for ``loss_fn`` (eps_clip, eps_clip_higher, c_clip, agg).
       mesh: optional ``("data", "fsdp")`` mesh.
+      microbatch_rows: gradient accumulation inside a minibatch (bounds activation memory); the
+        accumulated gradient equals the minibatch gradient because each microbatch contributes
+        ``loss_sum_i / denom`` with ``denom`` the minibatch's token (or sequence) count. Requires
+        ``loss_fn`` metrics ``loss_count`` and the ``*_sum`` numerators (as ``jaxprm.policy_loss``).
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class TrainStep:
         loss_kwargs: dict | None = None,
         mesh: Mesh | None = None,
         logprob_fn: Callable = gather_logprobs,
+        microbatch_rows: int | None = None,
     ) -> None:
         self.apply_fn = apply_fn
         self.optimizer = optimizer
@@ -180,6 +185,7 @@ class TrainStep:
         self.loss_kwargs = dict(loss_kwargs or {})
         self.mesh = mesh
         self.logprob_fn = logprob_fn
+        self.microbatch_rows = microbatch_rows
         self.compiles = 0  # number of traces of the step (one per distinct input shape)
         self._jitted = None
         self._state_shardings = None
@@ -211,24 +217,45 @@ class TrainStep:
         if B % n_mb:
             raise ValueError(f"batch rows {B} not divisible by ppo.num_minibatches={n_mb}")
         mb_rows = B // n_mb
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (mb_rows, T))
         real = data["row_weights"] > 0
         n_real = real.sum().astype(jnp.int32)
 
-        def loss_of(params, mb):
-            logits = self.apply_fn(params, mb["tokens"], positions)
-            logp = self.logprob_fn(logits, mb["tokens"])
-            loss, metrics = self.loss_fn(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], **self.loss_kwargs)
-            ent_mask = mb["loss_mask"]
-            return loss, (metrics, logp, ent_mask)
+        micro = mb_rows if not self.microbatch_rows else min(self.microbatch_rows, mb_rows)
+        if mb_rows % micro:
+            raise ValueError(f"minibatch rows {mb_rows} not divisible by ppo.microbatch_rows={micro}")
+        n_micro = mb_rows // micro
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (micro, T))
+        per_seq = self.loss_kwargs.get("agg", "token-mean") != "token-mean"
 
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+        def micro_objective(params, mc, denom):
+            # loss_i * count_i / denom summed over microbatches == the minibatch's aggregated loss
+            logits = self.apply_fn(params, mc["tokens"], positions)
+            logp = self.logprob_fn(logits, mc["tokens"])
+            loss, metrics = self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+            return loss * jnp.maximum(metrics["loss_count"], 1.0) / denom, metrics
+
+        grad_fn = jax.grad(micro_objective, has_aux=True)
 
         def mb_update(carry, xs):
             params, opt_state = carry
             order, k = xs
             mb = _minibatch(data, order, n_real, k, mb_rows, n_mb)
-            (loss, (metrics, logp, mask)), grads = grad_fn(params, mb)
+            mask = mb["loss_mask"]
+            active_rows = (mask.sum(axis=1) > 0).sum()
+            denom = jnp.maximum(active_rows if per_seq else mask.sum(), 1.0)
+            chunks = jax.tree.map(lambda v: v.reshape((n_micro, micro) + v.shape[1:]), mb)
+
+            def acc(carry2, mc):
+                g_acc, s_acc = carry2
+                g, met = grad_fn(params, mc, denom)
+                g_acc = jax.tree.map(jnp.add, g_acc, g)
+                s_acc = {key: s_acc[key] + met[key] for key in s_acc}
+                return (g_acc, s_acc), None
+
+            sum_keys = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
+            zeros_g = jax.tree.map(jnp.zeros_like, params)
+            zeros_s = {key: jnp.zeros((), jnp.float32) for key in sum_keys}
+            (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), chunks)
             gnorm = optax.global_norm(grads)
             updates, new_opt = self.optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
@@ -236,9 +263,11 @@ class TrainStep:
             keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
             params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, new_opt, opt_state)
-            scalars = {k2: v for k2, v in metrics.items() if jnp.ndim(v) == 0}
-            out = {"loss": loss, "grad_norm": gnorm, "active": active.astype(jnp.float32),
-                   "tokens": mask.sum(), **scalars}
+            nv = jnp.maximum(sums["n_valid_tokens"], 1.0)
+            out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
+                   "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
+                   "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
+                   "active": active.astype(jnp.float32), "tokens": mask.sum()}
             return (params, opt_state), out
 
         def epoch(carry, key):

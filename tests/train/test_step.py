@@ -146,3 +146,18 @@ def test_eight_device_mesh_matches_one_device():
     # partial sums) shows up at ~1e-5 of a step of lr 1e-2; compare at 1e-4 absolute (1% of a step).
     for a, b in zip(one["params"], eight["params"]):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_microbatch_accumulation_equals_whole_minibatch(agg):
+    policy = Policy(toy_transformer())
+    d = _data(16, 16, n_real=11, seed=8)
+    outs = []
+    for micro in (None, 4):
+        ts = _step(policy, num_minibatches=2, microbatch_rows=micro, loss_kwargs={"eps_clip": 0.2, "agg": agg})
+        outs.append(ts(ts.init_state(policy.params), d, jax.random.key(3)))
+    (s1, m1), (s2, m2) = outs
+    for k in ("loss", "grad_norm", "clip_fraction", "approx_kl"):
+        np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-4, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)

@@ -136,3 +136,28 @@ def test_default_run_end_to_end(tmp_path):
     print(out.stdout[-2000:])
     assert s["first_eval"] is not None and s["last_eval"] is not None
     assert (run / "policy" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_external_server_gets_weights_from_disk(tmp_path):
+    """A separately started jaxprm server used as an 'external' vLLM-dialect server: the trainer
+    checks it is up, rolls out against it, and pushes each step's policy via
+    save_pretrained + POST /update_weights_from_disk (the weight version advances)."""
+    from jaxprm.models import load_model
+    from jaxprm.serve import ServerHandle
+
+    model, tok = load_model("tiny")
+    server = ServerHandle.start(model, tok, host="127.0.0.1", port=0)
+    try:
+        v0 = server.weight_version
+        cfg = load_config(None, [*TINY, "server.kind=external", f"server.urls=[{server.url}]",
+                                 "server.model_name=jaxprm", "warm_start.enabled=false", "rollout.strategy=flat",
+                                 "steps=2", "eval.every_steps=100", "eval.at_start=false", "export_final=false",
+                                 "plots=false", f"server.weight_sync_dir={tmp_path / 'w'}", f"run_dir={tmp_path / 'r'}"])
+        summary = train(cfg, log=lambda m: None)
+        assert summary.steps == 2
+        assert server.weight_version > v0
+        assert (tmp_path / "w" / "step-2" / "config.json").is_file()
+        assert not (tmp_path / "w" / "step-1").exists()  # older pushes are cleaned up
+    finally:
+        server.stop()
