@@ -5,7 +5,7 @@
 For each model an in-process server (``ServerHandle``, dynamic batching) is started on 127.0.0.1.
 Then, per concurrency level ``c``, ``c`` asyncio clients (in a child process, so that the load
 generator does not compete with the server for the GIL) each send ``--requests-per-client``
-``/v1/completions`` requests back to back (same chat-formatted prompt, ``max_tokens`` tokens with
+``/v1/completions`` requests back to back (the same chat-formatted prompt made distinct per request, ``max_tokens`` tokens with
 ``ignore_eos`` so every request generates exactly that many, temperature 1, distinct seeds).
 
 Reported:
@@ -67,7 +67,8 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
     async def worker(cid: int, client: httpx.AsyncClient):
         nonlocal tokens, prompt_tokens
         for j in range(per_client):
-            body = dict(model=model_name, prompt=prompt, max_tokens=max_tokens, temperature=1.0,
+            # a distinct prompt per request (as in RL rollouts), so that no prefill is shared
+            body = dict(model=model_name, prompt=prompt + f"Episode {cid}-{j}.", max_tokens=max_tokens, temperature=1.0,
                         seed=cid * 1000 + j, ignore_eos=True)
             t0 = time.perf_counter()
             r = await client.post("/v1/completions", json=body)
@@ -103,8 +104,9 @@ def _direct(sampler: Sampler, prompt_ids, batch_sizes, max_tokens: int):
     sampler.precompile(batch_sizes, len(prompt_ids), max_tokens)
     for b in batch_sizes:
         sp = [SamplingParams(max_new_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(b)]
+        prompts = [[i] + list(prompt_ids[1:]) for i in range(b)]  # distinct: no shared prefill
         t0 = time.perf_counter()
-        res = sampler.generate([prompt_ids] * b, sp)
+        res = sampler.generate(prompts, sp)
         dt = time.perf_counter() - t0
         out.append(dict(batch=b, tokens_per_s=sum(len(c.token_ids) for c in res) / dt, wall_s=dt))
     return out

@@ -13,13 +13,16 @@ A call is padded to static shapes so that steady-state traffic never recompiles:
 * output length ``N`` (the largest ``max_new_tokens`` in the call) rounded up to a power of two
   (from 16); the KV cache holds ``Tp + N`` slots.
 
-One compiled program exists per ``(B, Tp, N, top-n logprobs, filtering on/off)`` key;
+One compiled program exists per ``(B, U, Tp, N, top-n logprobs, filtering on/off)`` key (``U``: the
+prefill batch, ``B`` unless identical prompts are shared, see below);
 ``Sampler.num_compilations`` counts them (each trace is one compilation).
 
 Algorithm (cache slot == absolute position, see ``jaxprm.models.KVCache``)
 ---------------------------------------------------------------------------
 1. Prefill: one forward pass over the right-padded prompts ``[B, Tp]`` at positions ``0..Tp-1``
-   fills the cache; its logits are unused (XLA removes the LM head from this pass).
+   fills the cache; its logits are unused (XLA removes the LM head from this pass). Identical
+   prompts are prefilled once (``[U, Tp]``, ``U`` a batch bucket with ``2 U <= B``) and their cache
+   rows copied to the ``B`` decode rows.
 2. Decode step ``j`` feeds each row's current token at its own position (the last prompt token at
    ``L_b - 1`` for ``j = 0``), so rows of different prompt lengths decode together. Padding slots past
    a row's length hold garbage but are never attended (a query at ``p`` attends to slots ``<= p``,
@@ -204,7 +207,8 @@ def _row_key_data(seed: int, choice: int) -> np.ndarray:
 class _Prepared:
     """Host-side padded inputs for one compiled call."""
 
-    prompt: np.ndarray  # int32 [B, Tp]
+    prompt: np.ndarray  # int32 [U, Tp]: the distinct prompts (U == B when not deduplicated)
+    src: np.ndarray  # int32 [B]: row -> its prompt in ``prompt``
     prompt_len: np.ndarray  # int32 [B]
     max_new: np.ndarray  # int32 [B]
     temperature: np.ndarray  # float32 [B]
@@ -232,6 +236,8 @@ class Sampler:
       loop: ``"device"`` runs the whole decode loop in one ``lax.while_loop`` program; ``"host"``
         calls a jitted single step from Python (checking for completion every ``host_sync_every``
         steps).
+      dedupe_prompts: prefill identical prompts once (``n > 1``, GRPO groups) when that at least
+        halves the prefill batch; the cache rows are then copied to their decode rows.
 
     Thread-safety: ``generate`` and ``update_params`` may be called from different threads; a call
     uses the weights current when it starts.
@@ -251,6 +257,7 @@ class Sampler:
         cache_dtype: Any = None,
         loop: Literal["device", "host"] = "device",
         host_sync_every: int = 8,
+        dedupe_prompts: bool = True,
     ):
         from jaxprm.models import KVCache  # layer 5 sibling; imported lazily to keep import light
 
@@ -262,6 +269,7 @@ class Sampler:
         if loop not in ("device", "host"):
             raise ValueError(f"loop must be 'device' or 'host', got {loop!r}")
         self.loop = loop
+        self.dedupe_prompts = bool(dedupe_prompts)
         self.host_sync_every = int(host_sync_every)
         if batch_buckets is None:
             batch_buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
@@ -417,13 +425,15 @@ class Sampler:
         Shapes are those of a call with prompts of ``prompt_len`` tokens and ``max_new_tokens``
         (rounded up to their buckets); ``top_logprobs > 0`` / ``filtering`` select the program
         variants used by requests with top-n logprobs / top-k or top-p. Returns seconds per batch
-        bucket. Later ``generate`` calls with these shapes do not compile.
+        bucket. Later ``generate`` calls with these shapes do not compile (batches of distinct
+        prompts; a batch sharing prompts enough to be deduplicated uses its own program).
         """
         times: dict[int, float] = {}
         sp = SamplingParams(max_new_tokens=max_new_tokens, top_logprobs=top_logprobs,
                             top_k=2 if filtering else 0)
         for b in sorted({bucket_for(int(x), self.batch_buckets, "batch size") for x in batch_sizes}):
-            prep = self._prepare([[self.pad_token_id] * prompt_len] * b, [sp] * b, [0] * b, [0] * b)
+            distinct = [[i % self.vocab_size] + [self.pad_token_id] * (prompt_len - 1) for i in range(b)]
+            prep = self._prepare(distinct, [sp] * b, [0] * b, [0] * b)
             inputs = self._device_inputs(prep)
             with self._lock:
                 weights = self._params
@@ -447,7 +457,22 @@ class Sampler:
         B = bucket_for(n, self.batch_buckets, "batch size")
         Tp = bucket_for(max(len(p) for p in prompts), self.prompt_buckets, "prompt length")
         N = bucket_for(max(1, max(sp.max_new_tokens for sp in params)), self.new_token_buckets, "max_new_tokens")
-        prompt = np.full((B, Tp), self.pad_token_id, np.int32)
+        # Rows with identical prompts (n > 1, GRPO groups) share one prefill when that at least
+        # halves the prefill batch; U is then a batch bucket of its own (a separate program).
+        index: dict[tuple[int, ...], int] = {}
+        src = np.zeros((B,), np.int32)
+        for i, p in enumerate(prompts):
+            src[i] = index.setdefault(tuple(p), len(index))
+        U = bucket_for(len(index), self.batch_buckets, "batch size")
+        if self.dedupe_prompts and 2 * U <= B:
+            prompt = np.full((U, Tp), self.pad_token_id, np.int32)
+            for p, u in index.items():
+                prompt[u, : len(p)] = p
+        else:
+            prompt = np.full((B, Tp), self.pad_token_id, np.int32)
+            for i, p in enumerate(prompts):
+                prompt[i, : len(p)] = p
+            src = np.arange(B, dtype=np.int32)
         prompt_len = np.ones((B,), np.int32)
         max_new = np.zeros((B,), np.int32)
         temperature = np.ones((B,), np.float32)
@@ -456,7 +481,6 @@ class Sampler:
         key_data = np.zeros((B, 2), np.uint32)
         stop_ids = np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32)
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            prompt[i, : len(p)] = p
             prompt_len[i] = len(p)
             max_new[i] = sp.max_new_tokens
             temperature[i] = sp.temperature
@@ -467,12 +491,13 @@ class Sampler:
             stop_ids[i, : len(stops)] = stops
         filtering = any(sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in params)
         top_n = MAX_TOP_LOGPROBS if any(sp.top_logprobs > 0 for sp in params) else 0
-        return _Prepared(prompt, prompt_len, max_new, temperature, top_p, top_k, key_data, stop_ids, N, top_n, filtering)
+        return _Prepared(prompt, src, prompt_len, max_new, temperature, top_p, top_k, key_data, stop_ids, N, top_n,
+                         filtering)
 
     @staticmethod
     def _device_inputs(prep: _Prepared) -> dict[str, jax.Array]:
         return jax.device_put(dict(
-            prompt=prep.prompt, prompt_len=prep.prompt_len, max_new=prep.max_new,
+            prompt=prep.prompt, src=prep.src, prompt_len=prep.prompt_len, max_new=prep.max_new,
             temperature=prep.temperature, top_p=prep.top_p, top_k=prep.top_k,
             key_data=prep.key_data, stop_ids=prep.stop_ids,
         ))
@@ -519,15 +544,24 @@ class Sampler:
         return nnx.merge(self._graphdef, params, rest)
 
     def _prefill(self, params, rest, inputs, *, num_new: int, top_n: int):
-        """Fill a fresh cache of ``Tp + num_new`` slots from the padded prompts; return the loop carry."""
+        """Fill a fresh cache of ``Tp + num_new`` slots from the padded prompts; return the loop carry.
+
+        ``inputs["prompt"]`` holds ``U`` distinct prompts; when ``U < B`` the prefilled cache rows
+        are gathered (``src``) into the ``B`` decode rows.
+        """
         model = self._model(params, rest)
         prompt = inputs["prompt"]
-        B, Tp = prompt.shape
-        cache = self._kv_cls.init(self.config, B, Tp + num_new, dtype=self.cache_dtype)
-        positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32)[None], (B, Tp))
+        U, Tp = prompt.shape
+        B = inputs["prompt_len"].shape[0]
+        cache = self._kv_cls.init(self.config, U, Tp + num_new, dtype=self.cache_dtype)
+        positions = jnp.broadcast_to(jnp.arange(Tp, dtype=jnp.int32)[None], (U, Tp))
         _, cache = model(prompt, positions, cache=cache)  # logits unused: XLA drops the LM head
+        src = inputs["src"]
+        if U != B:
+            cache = jax.tree.map(lambda x: jnp.take(x, src, axis=1), cache)
+        rows = prompt[src]
         last = inputs["prompt_len"] - 1
-        cur_tok = jnp.take_along_axis(prompt, last[:, None], axis=1)[:, 0]
+        cur_tok = jnp.take_along_axis(rows, last[:, None], axis=1)[:, 0]
         return dict(cache=cache, cur_tok=cur_tok, cur_pos=last,
                     out=self._init_outputs(B, num_new, top_n, inputs["max_new"]), step=jnp.int32(0))
 

@@ -90,6 +90,23 @@ def test_batch_composition_does_not_change_a_row(tiny, sampler):
     assert again.token_ids == alone.token_ids
 
 
+def test_shared_prompts_are_prefilled_once_with_identical_results(tiny, sampler):
+    _, tok = tiny
+    p, q = _prompts(tok)[:2]
+    sps = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    prep = sampler._prepare([p, p, p, p], sps, [0] * 4, [0] * 4)
+    assert prep.prompt.shape[0] == 1 and list(prep.src) == [0, 0, 0, 0]  # one prefill row for 4
+    shared = sampler.generate([p, p, p, p], sps)
+    for sp, c in zip(sps, shared):
+        alone = sampler.generate([p], sp)[0]
+        assert c.token_ids == alone.token_ids
+        np.testing.assert_allclose(c.logprobs, alone.logprobs, atol=1e-5)
+    mixed = sampler.generate([p, q, p, p, q, p, p, q], [SamplingParams(max_new_tokens=10, temperature=0.0)] * 8)
+    assert sampler._prepare([p, q] * 4, [sps[0]] * 8, [0] * 8, [0] * 8).prompt.shape[0] == 4  # bucket of 2
+    assert mixed[0].token_ids == mixed[2].token_ids and mixed[1].token_ids == mixed[4].token_ids
+    assert mixed[0].token_ids == sampler.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0].token_ids
+
+
 def test_seeds_and_choice_index_give_different_streams(tiny, sampler):
     _, tok = tiny
     p = _prompts(tok)[0]
