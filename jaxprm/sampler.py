@@ -71,6 +71,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,9 +181,7 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     exclusive cumulative probability ``sum_{r' < r} q_{r'} < p``, where ``q`` is the softmax of the
     top-k-truncated logits (rank 0 is always kept). Ties at the threshold value are kept.
     """
-    chex_rank = logits.ndim == 2 and top_k.ndim == 1 and top_p.ndim == 1
-    if not chex_rank:
-        raise ValueError("apply_top_k_top_p expects logits [B, V], top_k [B], top_p [B]")
+    chex.assert_rank([logits, top_k, top_p], [2, 1, 1])
     V = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     rank = jnp.arange(V)[None, :]
@@ -283,11 +282,9 @@ class Sampler:
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self._params = params
         self._rest = rest
-        self._param_sig = _signature(params)
         self._version = 0
         self._lock = threading.Lock()
         self._num_traces = 0
-        self._compiled_keys: set[tuple] = set()
 
         self._jit_generate = jax.jit(
             self._counted(self._generate_device), static_argnames=("num_new", "top_n", "filtering")
@@ -337,7 +334,10 @@ class Sampler:
             state = new
         elif isinstance(new, dict):
             state = jax.tree.map(lambda x: x, self._params)
-            nnx.replace_by_pure_dict(state, new)
+            try:
+                nnx.replace_by_pure_dict(state, new)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ValueError(f"update_params: the dict does not match the model's parameters: {exc!r}") from exc
         else:
             raise TypeError(f"update_params expects an nnx.Module, nnx.State or dict, got {type(new).__name__}")
         old_leaves, old_def = jax.tree.flatten(self._params)
@@ -652,7 +652,3 @@ class Sampler:
             if (s + 1) % self.host_sync_every == 0 and bool(np.asarray(carry["out"]["done"]).all()):
                 break
         return {k: v for k, v in carry["out"].items() if k != "done"}
-
-
-def _signature(tree) -> list[tuple[tuple[int, ...], Any]]:
-    return [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(tree)]

@@ -297,6 +297,11 @@ class _Server:
     async def run(self, prompts, params, choices) -> list[Completion]:
         if not self.engine.running:
             raise APIError("generation engine is not running", status=503)
+        for p, sp in zip(prompts, params):  # reject here rather than fail a whole batch later
+            try:
+                self.sampler.check_request(p, sp)
+            except ValueError as exc:
+                raise APIError(str(exc)) from exc
         try:
             return await self.engine.generate(prompts, params, choices, timeout=self.config.request_timeout_s)
         except asyncio.TimeoutError:
@@ -548,15 +553,19 @@ def create_app(
             msg = m.model_dump(exclude_none=True)
             msg["content"] = content if content is not None else ""
             messages.append(msg)
+        template_vars = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            template_vars["tools"] = req.tools
         try:
             if req.continue_final_message:
-                rendered = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+                rendered = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
+                                                             **template_vars)
                 last = messages[-1]["content"]
                 cut = rendered.rfind(last)
                 rendered = rendered[: cut + len(last)] if cut >= 0 else rendered
             else:
                 rendered = srv.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+                    messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **template_vars)
         except Exception as exc:  # template errors are the request's fault
             raise APIError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from exc
         prompt_ids = srv.encode(rendered, add_special_tokens=False)
