@@ -197,7 +197,7 @@ class PPOConfig:
     """PPO epochs over minibatches, all inside one jitted step."""
 
     epochs: int = 1
-    num_minibatches: int = 1
+    num_minibatches: int = 4
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     c_clip: float | None = None

@@ -94,8 +94,9 @@ def tree_png(group: Any, out: str | Path) -> Path:
             ax.scatter(depth[it.id], lanes[it.id], s=50, color=_STATUS_COLORS.get(st, "k"), zorder=3)
         else:
             ax.scatter(depth[it.id], lanes[it.id], s=10, color="0.3", zorder=2)
+    labels = {"done": "ended (hole)", "max_turns": "out of turns", "loop": "loop-stopped", "context": "context full"}
     for st, c in _STATUS_COLORS.items():
-        ax.scatter([], [], color=c, label=st)
+        ax.scatter([], [], color=c, label=labels.get(st, st))
     ax.scatter([], [], marker="D", color="black", label="expanded")
     s = group.stats
     ax.set(title=f"{s.strategy} group {group.group_key}: {s.leaves} leaves, {s.expanded} expanded, "

@@ -116,11 +116,14 @@ from tests.train.test_step import _data
 policy = Policy(toy_transformer())
 data, fsdp = int(sys.argv[1]), int(sys.argv[2])
 mesh = make_mesh(data, fsdp) if data * fsdp > 1 else None
-ts = TrainStep(policy.apply_fn, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), jaxprm.policy_loss,
-               epochs=2, num_minibatches=2, loss_kwargs={"eps_clip": 0.2}, mesh=mesh)
+# SGD keeps the update proportional to the gradient: Adam's m / sqrt(v) turns float rounding of
+# near-zero gradient entries into O(lr) differences, which would test Adam, not the sharding.
+ts = TrainStep(policy.apply_fn, optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5)), jaxprm.policy_loss,
+               epochs=2, num_minibatches=2, loss_kwargs={"eps_clip": 0.2}, mesh=mesh, microbatch_rows=4)
+init = [np.asarray(x).ravel() for x in jax.tree.leaves(policy.params)]
 st = ts.init_state(policy.params)
 st, m = ts(st, _data(16, 32, n_real=13, seed=4), jax.random.key(7))
-leaves = [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(st.params)]
+leaves = [(np.asarray(x).ravel() - i0).tolist() for x, i0 in zip(jax.tree.leaves(st.params), init)]  # the update
 shard = str(jax.tree.leaves(st.params)[-1].sharding)
 print(json.dumps({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "params": leaves,
                   "devices": jax.device_count(), "sharding": shard}))
@@ -142,10 +145,10 @@ def test_eight_device_mesh_matches_one_device():
     assert eight["devices"] == 8 and "fsdp" in eight["sharding"]
     np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(eight["grad_norm"], one["grad_norm"], rtol=1e-4)
-    # Adam divides by sqrt(v): on near-zero gradient entries float32 summation order (per-device
-    # partial sums) shows up at ~1e-5 of a step of lr 1e-2; compare at 1e-4 absolute (1% of a step).
-    for a, b in zip(one["params"], eight["params"]):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-4)
+    for a, b in zip(one["params"], eight["params"]):  # parameter updates of the 4 optimizer steps
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a).max() > 0
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * np.abs(a).max())
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
