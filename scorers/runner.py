@@ -322,16 +322,25 @@ class PRMRunner:
             )
         self._scorers.append(scorer)
 
-    async def _rollback(self, err: BaseException) -> None:
+    async def _close_owned(self) -> list[tuple[BaseScorer, Exception]]:
+        """Close each owned scorer not closed yet, in reverse creation order, at most once.
+
+        Ordinary failures are collected and returned; cancellation propagates."""
+        failures: list[tuple[BaseScorer, Exception]] = []
         for scorer in reversed(self._owned):
             if id(scorer) in self._closed:
                 continue
             self._closed.add(id(scorer))
             try:
                 await scorer.aclose()
-            except Exception as cleanup_err:
-                logger.error("closing scorer %r after a startup failure failed", scorer.name, exc_info=cleanup_err)
-                err.add_note(f"cleanup of scorer {scorer.name!r} after the startup failure also failed: {_describe(cleanup_err)}")
+            except Exception as err:
+                failures.append((scorer, err))
+        return failures
+
+    async def _rollback(self, err: BaseException) -> None:
+        for scorer, cleanup_err in await self._close_owned():
+            logger.error("closing scorer %r after a startup failure failed", scorer.name, exc_info=cleanup_err)
+            err.add_note(f"cleanup of scorer {scorer.name!r} after the startup failure also failed: {_describe(cleanup_err)}")
         self._closing = True
         self._close_started = True
         self._close_done.set()
@@ -370,15 +379,9 @@ class PRMRunner:
         self._close_started = True
         errors: list[Exception] = []
         try:
-            for scorer in reversed(self._owned):
-                if id(scorer) in self._closed:
-                    continue
-                self._closed.add(id(scorer))
-                try:
-                    await scorer.aclose()
-                except Exception as err:
-                    logger.error("closing scorer %r failed", scorer.name, exc_info=err)
-                    errors.append(err)
+            for scorer, err in await self._close_owned():
+                logger.error("closing scorer %r failed", scorer.name, exc_info=err)
+                errors.append(err)
         finally:
             self._close_done.set()
         if errors:
