@@ -114,12 +114,17 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class EnvConfig:
-    """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``."""
+    """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``.
+
+    ``random_start_goal``: False (default) is gymnasium's layout, start top-left and goal
+    bottom-right; True puts start and goal on two random distinct cells (much harder for a small
+    policy: the right move then depends on locating both P and G in the text map)."""
 
     name: Literal["frozenlake"] = "frozenlake"
     size: int = 4
     p: float = 0.8  # probability that a cell is frozen (gymnasium's convention)
     max_turns: int = 10
+    random_start_goal: bool = False
     train_tasks: int = 2048
     eval_tasks: int = 64
     seed: int = 0
@@ -213,7 +218,7 @@ class WarmStartConfig:
 
     enabled: bool = True
     num_demos: int = 1024
-    optimal_prob: float = 0.5  # probability of taking a BFS-optimal action at each turn
+    optimal_prob: float = 0.8  # probability of taking a BFS-optimal action at each turn (0.5 left the tiny model near uniform)
     steps: int = 200
     batch_size: int = 16
     lr: float = 3e-3

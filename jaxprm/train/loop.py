@@ -211,7 +211,8 @@ class _Job:
         self.policy = _load_policy(cfg)
         e = cfg.env
         self.train_tasks, self.eval_tasks = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,),
-                                                       p_frozen=e.p, max_turns=e.max_turns)
+                                                       p_frozen=e.p, max_turns=e.max_turns,
+                                                       random_start_goal=e.random_start_goal)
         self.eval_tasks = self.eval_tasks[: cfg.eval.num_tasks]
         try:
             self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp)

@@ -129,3 +129,13 @@ def test_cli_print_config_and_typo():
     bad = subprocess.run([env_py, "-m", "jaxprm.train", "--print-config", "optimzer.lr=1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert bad.returncode == 2 and "did you mean 'optimizer'" in bad.stderr
+
+
+def test_env_default_is_gymnasium_layout():
+    from rollout.envs.frozenlake import make_tasks
+
+    e = load_config().env
+    assert e.random_start_goal is False
+    train, _ = make_tasks(e.seed, 4, 0, sizes=(e.size,), p_frozen=e.p, random_start_goal=e.random_start_goal)
+    assert all(t.desc[0][0] == "S" and t.desc[-1][-1] == "G" for t in train)
+    assert load_config(None, ["env.random_start_goal=true"]).env.random_start_goal is True
