@@ -20,6 +20,13 @@ Score of a turn (``w = reward_weight``)::
 ``progress`` is 0 at the start cell (or farther away) and approaches 1 next to the goal. With the
 standard FrozenLake reward (1 only on reaching the goal) ``R`` is 0 before success, so an unfinished
 branch scores in ``[0, 1 - w]`` and a finished one 1.0. A hole is terminal failure: default 0.0.
+
+``mode="delta"`` scores a turn by how much it changed that score instead (potential-based shaping,
+Ng et al. 1999): ``score(after this turn) - score(after the previous turn)``, with the start state
+scoring 0 (so the first turn's delta is its score). A step toward the goal is positive, a step away
+or into a hole negative, a bump into the edge or an invalid answer 0; values lie in ``[-1, 1]``.
+This is the form to use as a per-turn process reward for the learner (credit for each action);
+``level`` (the default) is the form PaTR ranks branches by.
 """
 
 from __future__ import annotations
@@ -82,16 +89,21 @@ class FrozenLakeProgressScorer(BaseScorer):
     """Per-turn FrozenLake progress score in [0, 1] (see the module docstring for the formula).
 
     Kwargs: ``reward_weight`` (w in [0, 1], default 0.5), ``max_reward`` (> 0, the reward that
-    counts as full, default 1.0), ``hole_score`` (in [0, 1], default 0.0).
+    counts as full, default 1.0), ``hole_score`` (in [0, 1], default 0.0), ``mode`` (``"level"``,
+    default, or ``"delta"``: the change of the score over this turn, in [-1, 1]).
     The accumulated reward is summed over ``ctx["branch"]`` up to this turn (just this turn when
-    no branch is given).
+    no branch is given; in delta mode the turn is then taken to be the first).
     """
 
     name = "frozenlake_progress"
 
     def __init__(
-        self, reward_weight: float = 0.5, max_reward: float = 1.0, hole_score: float = 0.0, **kwargs: Any
+        self, reward_weight: float = 0.5, max_reward: float = 1.0, hole_score: float = 0.0,
+        mode: str = "level", **kwargs: Any
     ) -> None:
+        if mode not in ("level", "delta"):
+            raise ValueError(f"mode must be 'level' or 'delta', got {mode!r}")
+        self.mode = mode
         self.reward_weight = _unit("reward_weight", reward_weight)
         self.hole_score = _unit("hole_score", hole_score)
         if isinstance(max_reward, bool) or not isinstance(max_reward, numbers.Real) or not max_reward > 0:
@@ -101,9 +113,19 @@ class FrozenLakeProgressScorer(BaseScorer):
 
     async def evaluate(self, interaction: Interaction, ctx: Mapping[str, Any]) -> float:
         prefix = branch_prefix(interaction, ctx)
-        accumulated = float(sum(float(it.reward) for it in prefix if it.reward is not None))
+        rewards = [float(it.reward) for it in prefix if it.reward is not None]
+        accumulated = float(sum(rewards))
+        score = self._score(interaction.env_state, accumulated)
+        if self.mode == "level":
+            return score
+        if len(prefix) < 2:
+            return score  # the start state scores 0
+        last = float(interaction.reward) if interaction.reward is not None else 0.0
+        return score - self._score(prefix[-2].env_state, accumulated - last)
+
+    def _score(self, env_state: Mapping[str, Any], accumulated: float) -> float:
         return frozenlake_progress_score(
-            interaction.env_state,
+            env_state,
             accumulated,
             reward_weight=self.reward_weight,
             max_reward=self.max_reward,

@@ -118,9 +118,14 @@ class EnvConfig:
 
     ``random_start_goal``: False (default) is gymnasium's layout, start top-left and goal
     bottom-right; True puts start and goal on two random distinct cells (much harder for a small
-    policy: the right move then depends on locating both P and G in the text map)."""
+    policy: the right move then depends on locating both P and G in the text map).
+
+    ``system_prompt``: ``compact`` (default; ~40 tokens instead of ~140 with the tiny tokenizer,
+    which matters because every turn re-reads the whole history), ``full`` (the verbose rules, for
+    instruct models) or ``none``."""
 
     name: Literal["frozenlake"] = "frozenlake"
+    system_prompt: Literal["compact", "full", "none"] = "compact"
     size: int = 4
     p: float = 0.8  # probability that a cell is frozen (gymnasium's convention)
     max_turns: int = 10

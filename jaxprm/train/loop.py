@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -100,6 +101,14 @@ def _init_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize(**kw)
     except Exception as e:
         raise TrainError(f"distributed: jax.distributed.initialize failed: {e}") from e
+
+
+def env_factory(cfg: TrainConfig):
+    """A zero-argument constructor of the configured environment (``env.system_prompt`` applied)."""
+    from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv
+
+    prompt = {"compact": COMPACT_SYSTEM_PROMPT, "full": SYSTEM_PROMPT, "none": None}[cfg.env.system_prompt]
+    return functools.partial(FrozenLakeEnv, prompt)
 
 
 def _load_policy(cfg: TrainConfig):
@@ -214,6 +223,7 @@ class _Job:
                                                        p_frozen=e.p, max_turns=e.max_turns,
                                                        random_start_goal=e.random_start_goal)
         self.eval_tasks = self.eval_tasks[: cfg.eval.num_tasks]
+        self.env_factory = env_factory(cfg)
         try:
             self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
         except ValueError as err:
@@ -240,7 +250,8 @@ class _Job:
             from jaxprm.train.warmstart import warm_start
 
             t0 = time.perf_counter()
-            params, self.warm_report = warm_start(cfg, self.policy, self.train_tasks, log=self.log)
+            params, self.warm_report = warm_start(cfg, self.policy, self.train_tasks, env_factory=self.env_factory,
+                                                  log=self.log)
             self.policy.params = params
             self.timings["warm_start"] = time.perf_counter() - t0
         self.ref_params = None
@@ -435,13 +446,11 @@ class _Job:
         return out
 
     async def run_eval(self, step: int) -> dict[str, float]:
-        from rollout.envs.frozenlake import FrozenLakeEnv
-
         from jaxprm.train.evaluate import evaluate
 
         t0 = time.perf_counter()
         ev = self.cfg.eval
-        res = await evaluate(self.eval_tasks, client=self.client, prompts=self.prompts, env_factory=FrozenLakeEnv,
+        res = await evaluate(self.eval_tasks, client=self.client, prompts=self.prompts, env_factory=self.env_factory,
                              samples=ev.samples, temperature=ev.temperature, greedy=ev.greedy,
                              max_turns=self.cfg.env.max_turns, max_new_tokens=self.cfg.rollout.max_new_tokens,
                              seed=self.cfg.seed, max_context_tokens=self.max_context)
@@ -465,7 +474,6 @@ class _Job:
     async def run(self) -> Summary:
         from rollout.export import describe_groups
         from rollout.tree import run_groups
-        from rollout.envs.frozenlake import FrozenLakeEnv
         from tqdm import tqdm
 
         from jaxprm.train import plots
@@ -500,7 +508,7 @@ class _Job:
                 step += 1
                 t0 = time.perf_counter()
                 tasks = self.stream.take(cfg.rollout.tasks_per_step)
-                groups = await run_groups(tasks, env_factory=FrozenLakeEnv, client=self.client, prompts=self.prompts,
+                groups = await run_groups(tasks, env_factory=self.env_factory, client=self.client, prompts=self.prompts,
                                           config=self.tree_config(step), scorer=scorer, group_seed=step * 10_000)
                 t1 = time.perf_counter()
                 self.timings["rollout"] += t1 - t0

@@ -63,10 +63,10 @@ def _optimal_actions(env) -> list[str]:
     return out
 
 
-async def _play(task, prompts, rng: random.Random, optimal_prob: float) -> Demo:
-    from rollout.envs.frozenlake import ACTIONS, FrozenLakeEnv
+async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_factory) -> Demo:
+    from rollout.envs.frozenlake import ACTIONS
 
-    env = FrozenLakeEnv()
+    env = env_factory()
     obs = await env.reset(task)
     messages: list[dict[str, Any]] = []
     sp = env.system_prompt(task)
@@ -97,15 +97,22 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float) -> Demo:
     return Demo(tokens=tokens, mask=mask, success=success, turns=turns)
 
 
-def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int) -> list[Demo]:
-    """``n`` noisy demonstration episodes on ``tasks`` (cycled), tokenized like rollouts."""
+def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_factory=None) -> list[Demo]:
+    """``n`` noisy demonstration episodes on ``tasks`` (cycled), tokenized like rollouts.
+
+    ``env_factory`` builds the environment (default ``FrozenLakeEnv()``); use the one rollouts use,
+    so that demonstrations carry the same system prompt.
+    """
     from rollout.chat import PromptBuilder
+    from rollout.envs.frozenlake import FrozenLakeEnv
+
+    env_factory = env_factory or FrozenLakeEnv
 
     prompts = PromptBuilder(tokenizer)
     rng = random.Random(seed)
 
     async def go():
-        return [await _play(tasks[i % len(tasks)], prompts, rng, optimal_prob) for i in range(n)]
+        return [await _play(tasks[i % len(tasks)], prompts, rng, optimal_prob, env_factory) for i in range(n)]
 
     return asyncio.run(go())
 
@@ -117,7 +124,7 @@ def demo_row(d: Demo) -> RowData:
 
 
 def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr: float, seed: int,
-        len_buckets=(256, 512, 768, 1024, 2048, 4096), log=None) -> tuple[Any, list[float]]:
+        len_buckets=(256, 384, 512, 640, 768, 1024, 2048, 4096), log=None) -> tuple[Any, list[float]]:
     """Masked next-token cross-entropy SFT; returns ``(params, losses)``.
 
     Loss per batch: ``-sum_t mask[b,t] log p(tokens[b,t+1] | tokens[b,:t+1]) / sum mask`` (prediction
@@ -165,7 +172,7 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
 
 def warm_start_key(cfg) -> str:
     """Hash of everything that determines the warm-started params."""
-    return config_hash({"v": 1, "model": dataclasses.asdict(cfg.model), "env": dataclasses.asdict(cfg.env),
+    return config_hash({"v": 2, "model": dataclasses.asdict(cfg.model), "env": dataclasses.asdict(cfg.env),
                         "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
                         "seed": cfg.seed})
 
@@ -188,7 +195,7 @@ def _load_npz(path: Path, like) -> Any:
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
 
-def warm_start(cfg, policy, train_tasks, *, log=print) -> tuple[Any, dict[str, Any]]:
+def warm_start(cfg, policy, train_tasks, *, env_factory=None, log=print) -> tuple[Any, dict[str, Any]]:
     """Warm-started params for ``policy`` (cached by :func:`warm_start_key`), and a report dict."""
     w = cfg.warm_start
     key = warm_start_key(cfg)
@@ -204,7 +211,8 @@ def warm_start(cfg, policy, train_tasks, *, log=print) -> tuple[Any, dict[str, A
         except Exception as e:  # a corrupt cache is rebuilt, not fatal
             log(f"warm start: ignoring unreadable cache {cache}: {e}")
     t0 = time.perf_counter()
-    demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed)
+    demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed,
+                       env_factory=env_factory)
     t_demo = time.perf_counter() - t0
     log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
         f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")

@@ -3,6 +3,7 @@
 from rollout.envs.base import Env, StepResult
 from rollout.envs.frozenlake import (
     ACTIONS,
+    COMPACT_SYSTEM_PROMPT,
     SYSTEM_PROMPT,
     FrozenLakeEnv,
     FrozenLakeTask,
@@ -14,6 +15,6 @@ from rollout.envs.frozenlake import (
 )
 
 __all__ = [
-    "Env", "StepResult", "ACTIONS", "SYSTEM_PROMPT", "FrozenLakeEnv", "FrozenLakeTask",
+    "Env", "StepResult", "ACTIONS", "SYSTEM_PROMPT", "COMPACT_SYSTEM_PROMPT", "FrozenLakeEnv", "FrozenLakeTask",
     "bfs_distances", "generate_map", "make_tasks", "parse_action", "render_map",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "make_tasks",
     "ACTIONS",
     "SYSTEM_PROMPT",
+    "COMPACT_SYSTEM_PROMPT",
 ]
 
 ACTIONS = ("Left", "Down", "Right", "Up")  # gymnasium action ids 0..3
@@ -50,6 +51,13 @@ SYSTEM_PROMPT = (
     "Each turn, answer with exactly one move written in a fenced block: ```Left```, ```Down```, "
     "```Right``` or ```Up```. Left/Right change the column, Up/Down change the row (row 0 is the top). "
     "Moving into the edge of the grid leaves you where you are."
+)
+
+# The same rules in a few words: a third of the tokens, for small policies whose cost grows with the
+# prompt (attention over the whole multi-turn history).
+COMPACT_SYSTEM_PROMPT = (
+    "FrozenLake: reach G, avoid holes O; P is you, _ is ice. "
+    "Answer one move: ```Left```, ```Down```, ```Right``` or ```Up```."
 )
 
 
@@ -146,9 +154,14 @@ class FrozenLakeTask:
 
 
 class FrozenLakeEnv:
-    """One FrozenLake episode (see the module docstring). ``clone()`` copies the episode state."""
+    """One FrozenLake episode (see the module docstring). ``clone()`` copies the episode state.
 
-    def __init__(self) -> None:
+    ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
+    :data:`COMPACT_SYSTEM_PROMPT` for small policies, ``None`` for none).
+    """
+
+    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT) -> None:
+        self._system_prompt = system_prompt
         self.task: FrozenLakeTask | None = None
         self._dist: list[list[int]] = []
         self.position = (0, 0)
@@ -156,8 +169,8 @@ class FrozenLakeEnv:
         self.done = False
         self.start_distance = -1
 
-    def system_prompt(self, task: FrozenLakeTask) -> str:
-        return SYSTEM_PROMPT
+    def system_prompt(self, task: FrozenLakeTask) -> str | None:
+        return self._system_prompt
 
     async def reset(self, task: FrozenLakeTask) -> str:
         if not isinstance(task, FrozenLakeTask):
@@ -171,7 +184,7 @@ class FrozenLakeEnv:
         return f"{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
 
     def clone(self) -> FrozenLakeEnv:
-        other = FrozenLakeEnv()
+        other = FrozenLakeEnv(self._system_prompt)
         other.task, other._dist = self.task, self._dist  # immutable / never mutated
         other.position, other.turn, other.done, other.start_distance = (
             self.position, self.turn, self.done, self.start_distance)

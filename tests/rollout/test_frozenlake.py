@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from rollout.envs import (
     ACTIONS,
+    COMPACT_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
     FrozenLakeEnv,
     FrozenLakeTask,
     bfs_distances,
@@ -92,6 +94,16 @@ def test_clone_is_independent():
     run(child.step("```Down```"))
     assert env.position == (0, 1) and child.position == (1, 1)
     assert env.turn == 1 and child.turn == 2
+
+
+@pytest.mark.parametrize("prompt", [SYSTEM_PROMPT, COMPACT_SYSTEM_PROMPT, None])
+def test_system_prompt_choice_survives_clone(prompt):
+    task = FrozenLakeTask(desc=("SF", "FG"))
+    env = FrozenLakeEnv() if prompt is SYSTEM_PROMPT else FrozenLakeEnv(prompt)
+    assert env.system_prompt(task) == prompt
+    assert env.clone().system_prompt(task) == prompt
+    if prompt:  # both prompts name every action in the fenced answer format the parser reads
+        assert all(f"```{a}```" in prompt for a in ACTIONS)
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -102,6 +102,26 @@ def test_accumulated_reward_uses_the_branch_prefix_only():
     assert run(s.evaluate(branch[2], {})) == pytest.approx(0.5 * (1 - 3 / 6))
 
 
+def test_delta_mode_is_the_change_of_the_level_score():
+    # down, down, right, left (away from the goal), right, right, right into the hole at (2, 3)
+    path = [(1, 0), (2, 0), (2, 1), (2, 0), (2, 1), (2, 2), (2, 3)]
+    branch = walk(path)
+    level, delta = FrozenLakeProgressScorer(), FrozenLakeProgressScorer(mode="delta")
+    lv = [run(level.evaluate(it, {"branch": branch})) for it in branch]
+    dv = [run(delta.evaluate(it, {"branch": branch})) for it in branch]
+    np.testing.assert_allclose(dv, np.diff([0.0, *lv]), atol=1e-12)  # the start state scores 0
+    assert dv[0] == pytest.approx(0.5 / 6) and dv[3] == pytest.approx(-0.5 / 6)  # toward / away
+    assert dv[-1] == pytest.approx(-lv[-2]) and dv[-1] < 0  # into a hole gives back all progress
+    assert sum(dv) == pytest.approx(lv[-1])  # telescopes
+    good = walk([(1, 0), (2, 0), (2, 1), (2, 2), (3, 2), (3, 3)], final_reward=1.0, success=True)
+    gd = [run(delta.evaluate(it, {"branch": good})) for it in good]
+    assert sum(gd) == pytest.approx(1.0) and gd[-1] == pytest.approx(1.0 - 0.5 * (1 - 1 / 6))
+    res = run(PRMRunner(PRMConfig(), scorers=[FrozenLakeProgressScorer(mode="delta")]).run(good))
+    np.testing.assert_allclose(res["s0"], [0.5 / 6] * 3)
+    with pytest.raises(ValueError, match="mode"):
+        FrozenLakeProgressScorer(mode="sum")
+
+
 def test_success_and_hole_through_the_runner():
     good = walk([(1, 0), (2, 0), (2, 1), (2, 2), (3, 2), (3, 3)], final_reward=1.0, success=True)
     res = run(PRMRunner(PRMConfig(), scorers=[FrozenLakeProgressScorer()]).run(good))
