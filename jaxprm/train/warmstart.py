@@ -63,7 +63,8 @@ def _optimal_actions(env) -> list[str]:
     return out
 
 
-async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_factory) -> Demo:
+async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_factory,
+                imitate_noise: bool = True) -> Demo:
     from rollout.envs.frozenlake import ACTIONS
 
     env = env_factory()
@@ -83,7 +84,8 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_fact
         text = f"```{action}```"
         sampled = list(prompts.tokenizer.encode(text)) + [eos]
         tokens += sampled
-        mask += [1.0] * len(sampled)
+        supervised = imitate_noise or action in opt
+        mask += [1.0 if supervised else 0.0] * len(sampled)
         res = await env.step(text)
         turns += 1
         if res.done:
@@ -97,11 +99,13 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_fact
     return Demo(tokens=tokens, mask=mask, success=success, turns=turns)
 
 
-def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_factory=None) -> list[Demo]:
+def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_factory=None,
+               imitate_noise: bool = True) -> list[Demo]:
     """``n`` noisy demonstration episodes on ``tasks`` (cycled), tokenized like rollouts.
 
     ``env_factory`` builds the environment (default ``FrozenLakeEnv()``); use the one rollouts use,
-    so that demonstrations carry the same system prompt.
+    so that demonstrations carry the same system prompt. ``imitate_noise=False`` keeps the random
+    moves in the episodes (they still steer it into holes and detours) but out of the loss mask.
     """
     from rollout.chat import PromptBuilder
     from rollout.envs.frozenlake import FrozenLakeEnv
@@ -112,7 +116,8 @@ def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_
     rng = random.Random(seed)
 
     async def go():
-        return [await _play(tasks[i % len(tasks)], prompts, rng, optimal_prob, env_factory) for i in range(n)]
+        return [await _play(tasks[i % len(tasks)], prompts, rng, optimal_prob, env_factory, imitate_noise)
+                for i in range(n)]
 
     return asyncio.run(go())
 
@@ -212,7 +217,7 @@ def warm_start(cfg, policy, train_tasks, *, env_factory=None, log=print) -> tupl
             log(f"warm start: ignoring unreadable cache {cache}: {e}")
     t0 = time.perf_counter()
     demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed,
-                       env_factory=env_factory)
+                       env_factory=env_factory, imitate_noise=w.imitate_noise)
     t_demo = time.perf_counter() - t0
     log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
         f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")

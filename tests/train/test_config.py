@@ -36,6 +36,10 @@ def test_expected_example_configs_exist():
     assert {"default.yaml", "default_prm.yaml", "flat_grpo.yaml", "tree_random.yaml",
             "smollm2_frozenlake.yaml", "external_server.yaml"} <= names
     assert load_config(ROOT / "configs/default_prm.yaml").prm.active
+    progress = load_config(ROOT / "configs/progress_prm.yaml")
+    assert progress.prm.active and progress.prm.scorers[0].kwargs == {"mode": "delta"}
+    assert load_config(ROOT / "configs/default.yaml").env.system_prompt == "compact"
+    assert load_config(ROOT / "configs/smollm2_frozenlake.yaml").env.system_prompt == "full"
 
 
 def test_overrides_parse_yaml_scalars():

@@ -95,7 +95,8 @@ def test_update_moves_logprobs_in_the_advantage_direction():
 
 def test_schedule_warmup_and_cosine():
     cfg = load_config(None, ["optimizer.schedule=cosine", "optimizer.warmup_steps=4", "optimizer.lr=1e-3",
-                             "steps=10", "optimizer.min_lr_ratio=0.1", "ppo.num_minibatches=1"])
+                             "steps=10", "optimizer.min_lr_ratio=0.1", "ppo.num_minibatches=1",
+                             "ppo.epochs=1"])
     s = make_schedule(cfg)
     assert float(s(0)) == 0.0 and float(s(4)) == pytest.approx(1e-3)
     assert float(s(10)) == pytest.approx(1e-4, rel=1e-3)

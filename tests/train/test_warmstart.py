@@ -1,0 +1,50 @@
+"""Warm-start demonstrations: tokenized like rollouts; random moves in or out of the loss mask."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from jaxprm.models import load_model
+from jaxprm.train.warmstart import make_demos
+from rollout.envs.frozenlake import ACTIONS, COMPACT_SYSTEM_PROMPT, FrozenLakeEnv, make_tasks
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model("tiny")[1]
+
+
+def _turns(demo, tokenizer):
+    """(action, supervised) per assistant reply: a reply is exactly ```Action``` + end of turn."""
+    replies = {a: [*tokenizer.encode(f"```{a}```"), tokenizer.eos_token_id] for a in ACTIONS}
+    out = []
+    for i in range(len(demo.tokens)):
+        for a, toks in replies.items():
+            if demo.tokens[i:i + len(toks)] == toks:
+                masks = set(demo.mask[i:i + len(toks)])
+                assert len(masks) == 1, "a reply is all in or all out of the loss"
+                out.append((a, masks.pop() > 0))
+    return out
+
+
+@pytest.mark.parametrize("imitate_noise", [True, False])
+def test_random_moves_in_or_out_of_the_loss(tokenizer, imitate_noise):
+    train, _ = make_tasks(0, 16, 0, random_start_goal=False)
+    env_factory = functools.partial(FrozenLakeEnv, COMPACT_SYSTEM_PROMPT)
+    demos = make_demos(train, tokenizer, n=16, optimal_prob=0.5, seed=3, env_factory=env_factory,
+                       imitate_noise=imitate_noise)
+    replies = [t for d in demos for t in _turns(d, tokenizer)]
+    assert sum(d.turns for d in demos) == len(replies)
+    assert all(a in ACTIONS for a, _ in replies)
+    supervised = [s for _, s in replies]
+    if imitate_noise:
+        assert all(supervised)
+    else:
+        assert any(supervised) and not all(supervised)  # half the moves are random: some are not optimal
+    # the demonstrations carry the configured system prompt
+    assert COMPACT_SYSTEM_PROMPT in tokenizer.decode(demos[0].tokens)
+    assert all(len(d.tokens) == len(d.mask) for d in demos)
+    assert np.isin(np.concatenate([d.mask for d in demos]), [0.0, 1.0]).all()
