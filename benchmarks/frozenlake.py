@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,8 +24,9 @@ STRATEGIES = ("flat", "tree_random", "patr")
 
 
 def _run(strategy: str, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
+    """One training run in its own process (compiled programs of earlier runs would otherwise pile
+    up in this one until LLVM cannot map more code), then its metrics."""
     from jaxprm.train.config import load_config
-    from jaxprm.train.loop import train
     from jaxprm.train.rundir import read_metrics
 
     run_dir = out / f"{strategy}-s{seed}"
@@ -41,7 +43,9 @@ def _run(strategy: str, seed: int, out: Path, steps: int | None, extra: list[str
 
             shutil.rmtree(run_dir)
         t0 = time.perf_counter()
-        train(cfg, log=lambda m: None)
+        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", *overrides], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{strategy} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         print(f"  {strategy} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
     ev = [r for r in rows if r["kind"] == "eval"]
