@@ -49,7 +49,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, threads: int | Non
     threads = threads or os.cpu_count() or 1
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    parts = [(d, s) for d, s in zip(np.array_split(dst, threads), np.array_split(src, threads))]
+    parts = list(zip(np.array_split(dst, threads), np.array_split(src, threads)))
     with ThreadPoolExecutor(threads) as pool:
         t = _best_time(lambda: list(pool.map(lambda p: np.copyto(*p), parts)), repeats)
     return 2 * nbytes / t

@@ -113,8 +113,7 @@ class FrozenLakeProgressScorer(BaseScorer):
 
     async def evaluate(self, interaction: Interaction, ctx: Mapping[str, Any]) -> float:
         prefix = branch_prefix(interaction, ctx)
-        rewards = [float(it.reward) for it in prefix if it.reward is not None]
-        accumulated = float(sum(rewards))
+        accumulated = float(sum(float(it.reward) for it in prefix if it.reward is not None))
         score = self._score(interaction.env_state, accumulated)
         if self.mode == "level":
             return score
