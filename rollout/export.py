@@ -141,6 +141,7 @@ def describe_groups(groups: Sequence[GroupResult]) -> dict[str, Any]:
         "groups_with_success": sum(1 for g in groups if g.stats.any_success) / n,
         "mixed_groups": sum(1 for g in groups if 0 < g.stats.successes < g.stats.leaves) / n,
         "sampled_actions": tot("sampled_actions"),
+        "invalid_rate": tot("invalid_actions") / max(tot("sampled_actions"), 1),
         "expanded": tot("expanded"),
         "pruned": tot("pruned"),
         "loop_stopped": tot("loop_stopped"),

@@ -183,8 +183,8 @@ class TreeConfig:
 class LeafRecord:
     """One trajectory of the group: the branch ending at interaction ``leaf_id``.
 
-    ``status``: ``success`` | ``done`` (env ended without success) | ``max_turns`` | ``pruned`` |
-    ``loop`` | ``context``. ``truncated``: the last response stopped on the length limit.
+    ``status``: ``success`` | ``done`` (env ended without success) | ``invalid`` (env ended on an
+    invalid answer) | ``max_turns`` | ``pruned`` | ``loop`` | ``context``. ``truncated``: the last response stopped on the length limit.
     """
 
     leaf_id: str
@@ -225,6 +225,7 @@ class GroupStats:
     leaves: int = 0  # trajectories in the group
     successes: int = 0
     sampled_actions: int = 0  # requests = turns generated
+    invalid_actions: int = 0  # turns the env rejected (``info["valid"] is False``)
     generated_tokens: int = 0
     prompt_tokens: int = 0
     cache_reusable_tokens: int = 0  # prompt tokens an ideal prefix cache already holds
@@ -372,9 +373,16 @@ class _GroupRun:
         b.reward += float(step.reward)
         b.truncated = resp.truncated
         b.actions.append(step.info.get("action", text.strip()))
+        if step.info.get("valid") is False:
+            self.stats.invalid_actions += 1
         b.lineage_len = plen + resp.output_len
         if step.done:
-            b.status = "success" if step.info.get("success") else ("max_turns" if step.info.get("truncated") else "done")
+            if step.info.get("success"):
+                b.status = "success"
+            elif step.info.get("truncated"):
+                b.status = "max_turns"
+            else:  # the env ended it: on an invalid answer (info["valid"] False) or otherwise (a hole)
+                b.status = "invalid" if step.info.get("valid") is False else "done"
         elif b.depth >= cfg.max_turns:
             b.status = "max_turns"
         elif cfg.theta is not None and len(b.actions) >= cfg.theta and len(set(map(repr, b.actions[-cfg.theta:]))) == 1:

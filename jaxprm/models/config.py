@@ -67,6 +67,7 @@ class ModelConfig:
         cache size is chosen by the caller).
       param_dtype: ``"float32"`` | ``"bfloat16"``; logits are always float32.
       bos_token_id, eos_token_id, pad_token_id: written to ``config.json`` (optional).
+      initializer_range: standard deviation of the random initial weights (Hugging Face's name).
     """
 
     family: str
@@ -89,6 +90,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -100,6 +102,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if not self.initializer_range > 0:
+            raise ValueError(f"initializer_range={self.initializer_range!r} must be > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -202,6 +206,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
+            initializer_range=float(d.get("initializer_range", 0.02)),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -238,7 +243,7 @@ class ModelConfig:
             "torch_dtype": self.param_dtype,
             "use_cache": True,
             "attention_dropout": 0.0,
-            "initializer_range": 0.02,
+            "initializer_range": self.initializer_range,
         }
         if self.family != "qwen2":
             out["attention_bias"] = self.qkv_bias

@@ -161,7 +161,13 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
 
 def tiny_config(vocab_size: int = TINY_VOCAB_SIZE, param_dtype: str | None = "float32") -> ModelConfig:
     """The tiny model: Llama family, 2 layers, hidden 64, 4 heads (2 KV heads), tied embeddings
-    (``param_dtype=None`` means float32)."""
+    (``param_dtype=None`` means float32).
+
+    Initial weights are ``N(0, 1/64)`` (``1/sqrt(hidden)``), not the 0.02 of large models: at 0.02 a
+    64-wide model's attention starts uniform over the ~500-token episode and supervised training sat
+    on a plateau for hundreds of steps ignoring the map (greedy FrozenLake success 0 after 300 steps);
+    at 0.125 it reads the map within 200 steps (greedy 0.77).
+    """
     return ModelConfig(
         family="llama",
         vocab_size=vocab_size,
@@ -179,4 +185,5 @@ def tiny_config(vocab_size: int = TINY_VOCAB_SIZE, param_dtype: str | None = "fl
         bos_token_id=None,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=0.125,
     )

@@ -96,7 +96,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
-    """Random initial parameters ``{dotted name: array}``: weights ``N(0, 0.02^2)``, norm weights 1,
+    """Random initial parameters ``{dotted name: array}``: weights ``N(0, initializer_range^2)``, norm weights 1,
     biases 0 (one compiled program per config, so creating a model is fast)."""
     c = config
     L, D, H, K, hd, F, V = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -111,7 +111,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
         del shapes["lm_head"]
     # One random draw sliced into all weights: many separate draws compile far slower on CPU.
     sizes = [math.prod(shape) for shape in shapes.values()]
-    flat = 0.02 * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    flat = c.initializer_range * jax.random.normal(key, (sum(sizes),), jnp.float32)
     offsets = np.cumsum([0, *sizes])
     out = {name: flat[offsets[i]: offsets[i + 1]].reshape(shape).astype(c.dtype)
            for i, (name, shape) in enumerate(shapes.items())}

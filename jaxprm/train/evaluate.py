@@ -16,17 +16,20 @@ __all__ = ["evaluate", "summarize_groups"]
 
 
 def summarize_groups(groups: Sequence[Any], prefix: str = "") -> dict[str, float]:
-    """Success, pass@k (any success per group), mean turns and tokens per response over groups."""
+    """Success, pass@k (any success per group), mean turns, tokens per response, the rate of episodes
+    that ended in a hole (status ``done``) and of invalid answers among all sampled turns."""
     leaves = [lf for g in groups for lf in g.leaves]
     n = max(len(leaves), 1)
     actions = sum(g.stats.sampled_actions for g in groups)
     gen = sum(g.stats.generated_tokens for g in groups)
+    invalid = sum(g.stats.invalid_actions for g in groups)
     return {
         f"{prefix}success": sum(lf.status == "success" for lf in leaves) / n,
         f"{prefix}pass_at_k": float(np.mean([any(lf.status == "success" for lf in g.leaves) for g in groups])) if groups else 0.0,
         f"{prefix}turns": float(np.mean([lf.turns for lf in leaves])) if leaves else 0.0,
         f"{prefix}response_tokens": gen / max(actions, 1),
         f"{prefix}hole_rate": sum(lf.status == "done" for lf in leaves) / n,
+        f"{prefix}invalid_rate": invalid / max(actions, 1),
     }
 
 
@@ -51,6 +54,7 @@ async def evaluate(tasks: Sequence[Any], *, client: Any, prompts: Any, env_facto
         "turns": s["turns"],
         "response_tokens": s["response_tokens"],
         "hole_rate": s["hole_rate"],
+        "invalid_rate": s["invalid_rate"],
     }
     if greedy:
         g = await run_groups(list(tasks), env_factory=env_factory, client=client, prompts=prompts,

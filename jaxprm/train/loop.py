@@ -104,11 +104,12 @@ def _init_distributed(cfg: TrainConfig) -> None:
 
 
 def env_factory(cfg: TrainConfig):
-    """A zero-argument constructor of the configured environment (``env.system_prompt`` applied)."""
+    """A zero-argument constructor of the configured environment (``env.system_prompt`` and
+    ``env.invalid_ends_episode`` applied)."""
     from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv
 
     prompt = {"compact": COMPACT_SYSTEM_PROMPT, "full": SYSTEM_PROMPT, "none": None}[cfg.env.system_prompt]
-    return functools.partial(FrozenLakeEnv, prompt)
+    return functools.partial(FrozenLakeEnv, prompt, invalid_ends_episode=cfg.env.invalid_ends_episode)
 
 
 def _load_policy(cfg: TrainConfig):
@@ -525,7 +526,7 @@ class _Job:
                     "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
                     "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
                     "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
-                    "sampled_actions": desc["sampled_actions"], "expanded": desc["expanded"], "pruned": desc["pruned"],
+                    "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"], "expanded": desc["expanded"], "pruned": desc["pruned"],
                     "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
                     "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
                 }

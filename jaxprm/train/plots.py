@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["training_curves", "tree_png"]
 
 _STATUS_COLORS = {"success": "tab:green", "done": "tab:gray", "max_turns": "tab:blue", "pruned": "tab:red",
-                  "loop": "tab:orange", "context": "tab:purple"}
+                  "loop": "tab:orange", "context": "tab:purple", "invalid": "tab:brown"}
 
 
 def _plt():
@@ -94,7 +94,8 @@ def tree_png(group: Any, out: str | Path) -> Path:
             ax.scatter(depth[it.id], lanes[it.id], s=50, color=_STATUS_COLORS.get(st, "k"), zorder=3)
         else:
             ax.scatter(depth[it.id], lanes[it.id], s=10, color="0.3", zorder=2)
-    labels = {"done": "ended (hole)", "max_turns": "out of turns", "loop": "loop-stopped", "context": "context full"}
+    labels = {"done": "ended (hole)", "max_turns": "out of turns", "loop": "loop-stopped", "context": "context full",
+              "invalid": "invalid answer"}
     for st, c in _STATUS_COLORS.items():
         ax.scatter([], [], color=c, label=labels.get(st, st))
     ax.scatter([], [], marker="D", color="black", label="expanded")

@@ -282,6 +282,9 @@ class TrainStep:
         denom = jnp.maximum(w.sum(), 1.0)
         metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "tokens")}
         metrics["updates"] = w.sum()
+        # The first minibatch is scored before any update: its KL measures how far the sampler's
+        # logprobs are from the learner's own (numerics, stale weights); it should be ~0.
+        metrics["behavior_kl"] = outs["approx_kl"][0, 0]
         metrics["trained_tokens"] = outs["tokens"].sum() / self.epochs
         new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
         return new_state, metrics

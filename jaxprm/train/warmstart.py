@@ -175,9 +175,12 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     return params, losses
 
 
-def warm_start_key(cfg) -> str:
-    """Hash of everything that determines the warm-started params."""
-    return config_hash({"v": 2, "model": dataclasses.asdict(cfg.model), "env": dataclasses.asdict(cfg.env),
+def warm_start_key(cfg, model_config=None) -> str:
+    """Hash of everything that determines the warm-started params (``model_config``: the resolved
+    :class:`jaxprm.models.ModelConfig`, so a change of architecture or initialization misses the cache)."""
+    resolved = dataclasses.asdict(model_config) if model_config is not None else None
+    return config_hash({"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
+                        "env": dataclasses.asdict(cfg.env),
                         "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
                         "seed": cfg.seed})
 
@@ -203,7 +206,7 @@ def _load_npz(path: Path, like) -> Any:
 def warm_start(cfg, policy, train_tasks, *, env_factory=None, log=print) -> tuple[Any, dict[str, Any]]:
     """Warm-started params for ``policy`` (cached by :func:`warm_start_key`), and a report dict."""
     w = cfg.warm_start
-    key = warm_start_key(cfg)
+    key = warm_start_key(cfg, policy.config)
     cache = Path(w.cache_dir).expanduser() / key
     pfile, rfile = cache / "params.npz", cache / "report.json"
     if pfile.is_file() and rfile.is_file():

@@ -7,8 +7,9 @@ per line, cells separated by spaces. Movement matches gymnasium's ``FrozenLake-v
 episode with reward 0, entering ``G`` ends it with reward 1.
 
 The action is read from the last fenced block of the reply (```` ```Left``` ````; ``Left``,
-``Down``, ``Right``, ``Up``, case-insensitive). Anything else is an invalid no-op
-(``info["valid"] = False``). An episode also ends after ``max_turns`` steps (valid or not).
+``Down``, ``Right``, ``Up``, case-insensitive). Anything else is invalid (``info["valid"] =
+False``): a no-op by default, or the end of the episode (reward 0) with
+``invalid_ends_episode=True``. An episode also ends after ``max_turns`` steps (valid or not).
 
 After every step ``info`` holds the keys the FrozenLake progress scorer reads: ``position``,
 ``distance`` (BFS steps to the goal with holes blocked, ``-1`` if unreachable or in a hole),
@@ -158,10 +159,14 @@ class FrozenLakeEnv:
 
     ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
     :data:`COMPACT_SYSTEM_PROMPT` for small policies, ``None`` for none).
+    ``invalid_ends_episode``: an invalid answer ends the episode with reward 0 instead of being a
+    no-op. As a no-op, an invalid answer is a safe move that RL can learn to prefer where every
+    move looks risky (the tiny policy's invalid rate rose from 1% to 16-20% in 20 GRPO steps).
     """
 
-    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT) -> None:
+    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, *, invalid_ends_episode: bool = False) -> None:
         self._system_prompt = system_prompt
+        self.invalid_ends_episode = invalid_ends_episode
         self.task: FrozenLakeTask | None = None
         self._dist: list[list[int]] = []
         self.position = (0, 0)
@@ -184,7 +189,7 @@ class FrozenLakeEnv:
         return f"{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
 
     def clone(self) -> FrozenLakeEnv:
-        other = FrozenLakeEnv(self._system_prompt)
+        other = FrozenLakeEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode)
         other.task, other._dist = self.task, self._dist  # immutable / never mutated
         other.position, other.turn, other.done, other.start_distance = (
             self.position, self.turn, self.done, self.start_distance)
@@ -229,12 +234,15 @@ class FrozenLakeEnv:
                 msg = f"You moved {action} into the edge and stayed in place."
             else:
                 msg = f"You moved {action}."
-        truncated = not (success or in_hole) and self.turn >= self.task.max_turns
-        self.done = success or in_hole or truncated
+        ended_invalid = action is None and self.invalid_ends_episode
+        truncated = not (success or in_hole or ended_invalid) and self.turn >= self.task.max_turns
+        self.done = success or in_hole or ended_invalid or truncated
         if not self.done:
             msg += f"\n{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
         elif truncated:
             msg += " Out of turns."
+        elif ended_invalid:
+            msg += " The episode is over."
         r, c = self.position
         info = {
             "position": [r, c],

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxprm.models import (KVCache, ModelConfig, Transformer, entropy_of, logprobs_of, shift_targets,
                            token_logprobs)
+from jaxprm.models.transformer import init_params
 
 
 def _config(family="qwen3", **kw):
@@ -151,10 +152,12 @@ def test_config_validation_and_hf_round_trip():
     with pytest.raises(ValueError, match="low_freq_factor"):
         _config(rope_scaling={"rope_type": "llama3", "factor": 2.0})
     for family in ("llama", "qwen2", "qwen3"):
-        config = _config(family, tie_embeddings=True,
+        config = _config(family, tie_embeddings=True, initializer_range=0.125,
                          rope_scaling={"type": "linear", "factor": 3.0}, param_dtype="bfloat16")
         again = ModelConfig.from_hf(config.to_hf())
         assert again == config and hash(again) == hash(config)
+    with pytest.raises(ValueError, match="initializer_range"):
+        _config(initializer_range=0.0)
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_hf({**_config().to_hf(), "model_type": "mistral"})
     with pytest.raises(ValueError, match="sliding"):
@@ -165,3 +168,11 @@ def test_config_validation_and_hf_round_trip():
     hf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
     cfg = ModelConfig.from_hf(hf)
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+@pytest.mark.parametrize("std", [0.02, 0.125])
+def test_initial_weights_follow_initializer_range(std):
+    params = init_params(_config("llama", initializer_range=std, hidden_size=64, head_dim=16), jax.random.key(0))
+    for name in ("embed", "layers.q_proj", "layers.down_proj"):
+        assert abs(float(jnp.std(params[name])) - std) < 0.1 * std, name
+    assert bool(jnp.all(params["layers.attn_norm"] == 1.0))
