@@ -152,3 +152,18 @@ def test_make_tasks_disjoint_and_deterministic():
 def test_task_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FrozenLakeTask(**kwargs)
+
+
+def test_invalid_answer_can_end_the_episode():
+    task = FrozenLakeTask(desc=("SFF", "FHF", "FFG"), max_turns=5)
+    env = FrozenLakeEnv(invalid_ends_episode=True)
+    run(env.reset(task))
+    assert not run(env.step("```Right```")).done
+    child = env.clone()
+    assert child.invalid_ends_episode
+    res = run(child.step("Right"))  # no fenced block
+    assert res.done and res.reward == 0.0 and res.info["valid"] is False
+    assert not res.info["truncated"] and not res.info["in_hole"] and res.info["position"] == [0, 1]
+    with pytest.raises(RuntimeError):
+        run(child.step("```Down```"))
+    assert env.position == (0, 1) and not env.done  # the parent episode is untouched

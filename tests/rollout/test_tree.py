@@ -300,3 +300,16 @@ def test_config_validation():
         TreeConfig(theta=1)
     assert TreeConfig(strategy="flat", group_size=5).target_size == 5
     assert TreeConfig(max_branches=8).target_size == 8
+
+
+def test_invalid_answers_are_counted_and_can_end_a_branch(serve, tok, prompts):
+    srv = serve(ServerScript(policy=fixed_text_policy(tok, "no move")))
+    task = FrozenLakeTask(desc=("SFF", "FFF", "FFG"), max_turns=4)
+    cfg = TreeConfig(strategy="flat", group_size=2, theta=None, max_branches=None, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts))
+    assert [(lf.status, lf.turns) for lf in g.leaves] == [("max_turns", 4)] * 2  # no-ops until out of turns
+    assert g.stats.invalid_actions == g.stats.sampled_actions == 8
+    ending = lambda: FrozenLakeEnv(invalid_ends_episode=True)  # noqa: E731
+    g = run(_group(srv.url, cfg, env_factory=ending, task=task, prompts=prompts))
+    assert [(lf.status, lf.turns, lf.outcome_reward) for lf in g.leaves] == [("invalid", 1, 0.0)] * 2
+    assert g.stats.invalid_actions == 2

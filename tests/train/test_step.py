@@ -17,7 +17,7 @@ import pytest
 
 import jaxprm
 from jaxprm.train.policy import Policy
-from jaxprm.train.step import TrainStep, make_optimizer, make_schedule
+from jaxprm.train.step import TrainStep, gather_logprobs, make_optimizer, make_schedule
 from jaxprm.train.config import load_config
 from tests.train._models import toy_transformer
 
@@ -165,3 +165,16 @@ def test_microbatch_accumulation_equals_whole_minibatch(agg):
         np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-4, atol=1e-7)
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_behavior_kl_measures_the_sampler_mismatch_before_any_update():
+    policy = Policy(toy_transformer())
+    d = _data(8, 16, n_real=8, seed=5)
+    T = d["tokens"].shape[1]
+    own = gather_logprobs(policy.apply_fn(policy.params, d["tokens"], jnp.broadcast_to(jnp.arange(T), (8, T))),
+                          d["tokens"]) * d["loss_mask"]
+    ts = _step(policy, epochs=2, num_minibatches=2)
+    _, m = ts(ts.init_state(policy.params), {**d, "old_logprobs": own}, jax.random.key(0))
+    assert abs(float(m["behavior_kl"])) < 1e-5 < float(m["approx_kl"])  # later updates moved the policy
+    _, m = ts(ts.init_state(policy.params), {**d, "old_logprobs": own - 0.3 * d["loss_mask"]}, jax.random.key(0))
+    assert float(m["behavior_kl"]) > 1e-3
