@@ -526,7 +526,8 @@ class _Job:
                     "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
                     "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
                     "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
-                    "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"], "expanded": desc["expanded"], "pruned": desc["pruned"],
+                    "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
+                    "expanded": desc["expanded"], "pruned": desc["pruned"],
                     "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
                     "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
                 }
