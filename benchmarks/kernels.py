@@ -101,10 +101,10 @@ E2E_CONFIG = jaxprm.AdvantageConfig(group_reward_norm=True, kl_ctl=0.05, kl_esti
 def jax_kernels(x: dict[str, np.ndarray]) -> dict[str, tuple[Callable[[], object], int]]:
     d = {k: jnp.asarray(v) for k, v in x.items()}
     batch = make_batch(x)
-    gae = {m: jax.jit(lambda r, v, mm, m=m: jaxprm.gae(r, v, mm, method=m)) for m in ("scan", "associative", "cumsum")}
+    gae = {m: jax.jit(lambda r, v, mm, m=m: jaxprm.learner.gae(r, v, mm, method=m)) for m in ("scan", "associative", "cumsum")}
     kl = jax.jit(lambda a, b: jaxprm.kl_penalty(a, b, estimator="k3"))
-    norm = jax.jit(lambda a, m: jaxprm.normalize(a, m))
-    gnorm = jax.jit(lambda a, m, g: jaxprm.normalize(a, m, group_ids=g, mean_level="group", std_level="group"))
+    norm = jax.jit(lambda a, m: jaxprm.learner.normalize(a, m))
+    gnorm = jax.jit(lambda a, m, g: jaxprm.learner.normalize(a, m, group_ids=g, mean_level="group", std_level="group"))
     gvpo = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="gvpo", validate=False))
     pw = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="process_weighted", validate=False))
     loss_grad = jax.jit(jax.value_and_grad(lambda lp, o, a, m: jaxprm.policy_loss(lp, o, a, m)[0]))

@@ -39,7 +39,7 @@ import httpx  # noqa: E402
 import jax  # noqa: E402
 
 from jaxprm.models import load_model  # noqa: E402
-from jaxprm.sampler import Sampler, SamplingParams  # noqa: E402
+from jaxprm.serve.sampler import Sampler, SamplingParams  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 
 PROMPT_MESSAGES = [

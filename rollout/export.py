@@ -5,7 +5,7 @@ the last turn's prompt followed by its sampled tokens. Turn ``j`` of the branch 
 tokens at ``[len(prompt_j), len(prompt_j) + output_len_j)``; there the row has loss mask 1, the
 server's log-probs, turn id ``j`` and the scorers' process rewards (token-aligned); everything else
 (prompt, env/tool text, end-of-turn tokens the client appended) has mask 0, log-prob 0, turn id -1.
-``jaxprm.batch.pad_rows`` then shifts the per-token fields once to prediction positions and pads
+``jaxprm.learner.batch.pad_rows`` then shifts the per-token fields once to prediction positions and pads
 rows and length to buckets (padding rows have weight 0).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxprm.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
+from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
 from rollout.tree import GroupResult, LeafRecord
 from rollout.types import InteractionTree
 

@@ -1,10 +1,12 @@
-"""Embedded OpenAI / vLLM / SGLang compatible generation server over ``jaxprm.sampler``.
+"""Embedded OpenAI / vLLM / SGLang compatible generation server over ``jaxprm.serve.sampler``.
 
 Run it as ``python -m jaxprm.serve --model tiny --host 127.0.0.1 --port 8000`` or in-process with
 ``ServerHandle.start(model, tokenizer)``. See ``jaxprm.serve.app`` for the endpoints.
 """
 
-from jaxprm.serve.app import APIError, ServeConfig, create_app
+from jaxprm.serve.app import create_app
+from jaxprm.serve.errors import APIError
+from jaxprm.serve.serving import ServeConfig
 from jaxprm.serve.engine import BatchingEngine, EngineStats
 from jaxprm.serve.handle import ServerHandle
 

@@ -8,8 +8,9 @@ import os
 
 import uvicorn
 
-from jaxprm.sampler import Sampler
-from jaxprm.serve.app import ServeConfig, create_app
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.app import create_app
+from jaxprm.serve.serving import ServeConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from jaxprm.sampler import Completion, Sampler, SamplingParams
+from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
 
 __all__ = ["BatchingEngine", "EngineStats"]
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import uvicorn
 
-from jaxprm.sampler import Sampler
-from jaxprm.serve.app import ServeConfig, create_app
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.app import create_app
+from jaxprm.serve.serving import ServeConfig
 
 __all__ = ["ServerHandle"]
 

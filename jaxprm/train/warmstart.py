@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxprm.batch import RowData, pad_rows
+from jaxprm.learner.batch import RowData, pad_rows
 from jaxprm.train.config import config_hash
 from jaxprm.train.step import gather_logprobs
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxprm
-from jaxprm.loss import policy_loss_terms
+from jaxprm.learner.loss import policy_loss_terms
 
 DATA = json.loads((pathlib.Path(__file__).parents[1] / "data" / "areal_learner_vectors.json").read_text())
 CASES = DATA["cases"]
@@ -47,7 +47,7 @@ def test_gae(case, method, x64):
     if method == "cumsum" and not p["gamma"] == p["lam"] == 1.0:
         pytest.skip("cumsum is the gamma = lambda = 1 closed form")
     assert not any(p["seq_no_eos_mask"])
-    adv, ret = jaxprm.gae(f64(i["rewards"]), f64(i["values"]), np.asarray(i["mask"]),
+    adv, ret = jaxprm.learner.gae(f64(i["rewards"]), f64(i["values"]), np.asarray(i["mask"]),
                           gamma=p["gamma"], lam=p["lam"], method=method)
     np.testing.assert_allclose(adv, f64(o["advantages"]), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(ret, f64(o["returns"]), rtol=1e-12, atol=1e-12)
@@ -95,7 +95,7 @@ def test_normalize(case, x64):
         r = jaxprm.group_normalize_rewards(x, np.asarray(i["group_ids"]), len(i["group_sizes"]),
                                            std=p["std_level"] == "group", eps=p["eps"])
         np.testing.assert_allclose(r, f64(o["normalized_f64"]), rtol=1e-12, atol=1e-12)
-    out = jaxprm.normalize(x, mask, group_ids=np.asarray(i["group_ids"]), num_groups=len(i["group_sizes"]),
+    out = jaxprm.learner.normalize(x, mask, group_ids=np.asarray(i["group_ids"]), num_groups=len(i["group_sizes"]),
                            mean_level=p["mean_level"], std_level=p["std_level"],
                            unbiased=p["std_unbiased"], eps=p["eps"])
     expected = f64(o["normalized_f64"])
@@ -104,7 +104,7 @@ def test_normalize(case, x64):
         assert case["name"] == "normalize_10"
         expected = np.zeros_like(expected)
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
-    out32 = jaxprm.normalize(np.float32(x), mask, group_ids=np.asarray(i["group_ids"]),
+    out32 = jaxprm.learner.normalize(np.float32(x), mask, group_ids=np.asarray(i["group_ids"]),
                              num_groups=len(i["group_sizes"]), mean_level=p["mean_level"],
                              std_level=p["std_level"], unbiased=p["std_unbiased"], eps=p["eps"])
     assert out32.dtype == jnp.float32

@@ -46,7 +46,7 @@ def test_gae_matches_reference(data, gamma, lam, bootstrap):
     want_a, want_r = ref.gae(r, v, mask, gamma, lam, boot)
     methods = ("scan", "associative", "cumsum") if gamma == lam == 1.0 else ("scan", "associative")
     for method in methods:
-        a, ret = jaxprm.gae(r, v, mask, gamma=gamma, lam=lam, method=method, bootstrap_values=boot)
+        a, ret = jaxprm.learner.gae(r, v, mask, gamma=gamma, lam=lam, method=method, bootstrap_values=boot)
         np.testing.assert_allclose(a, want_a, rtol=1e-10, atol=1e-10)
         np.testing.assert_allclose(ret, want_r, rtol=1e-10, atol=1e-10)
 
@@ -58,15 +58,15 @@ def test_gae_scan_and_associative_agree_in_float32():
         r = rng.normal(size=(B, T)).astype(np.float32)
         v = rng.normal(size=(B, T)).astype(np.float32)
         m = (rng.random((B, T)) < 0.6).astype(np.float32)
-        a1, _ = jaxprm.gae(r, v, m, gamma=0.99, lam=0.95, method="scan")
-        a2, _ = jaxprm.gae(r, v, m, gamma=0.99, lam=0.95, method="associative")
+        a1, _ = jaxprm.learner.gae(r, v, m, gamma=0.99, lam=0.95, method="scan")
+        a2, _ = jaxprm.learner.gae(r, v, m, gamma=0.99, lam=0.95, method="associative")
         assert a1.dtype == a2.dtype == jnp.float32
         np.testing.assert_allclose(a1, a2, rtol=1e-4, atol=1e-4)
-        b1, _ = jaxprm.gae(r, v, m, method="scan")
-        b3, _ = jaxprm.gae(r, v, m, method="cumsum")
+        b1, _ = jaxprm.learner.gae(r, v, m, method="scan")
+        b3, _ = jaxprm.learner.gae(r, v, m, method="cumsum")
         np.testing.assert_allclose(b1, b3, rtol=1e-4, atol=2e-4)
         with pytest.raises(ValueError, match="cumsum' needs gamma == lam == 1"):
-            jaxprm.gae(r, v, m, gamma=0.9, method="cumsum")
+            jaxprm.learner.gae(r, v, m, gamma=0.9, method="cumsum")
 
 
 @SETTINGS
@@ -75,7 +75,7 @@ def test_gae_scan_and_associative_agree_in_float32():
 def test_normalize_matches_reference(data, mean_level, std_level, unbiased):
     rng, mask, gids = data
     x = rng.normal(size=mask.shape)
-    out = jaxprm.normalize(x, mask, group_ids=gids, num_groups=mask.shape[0], mean_level=mean_level,
+    out = jaxprm.learner.normalize(x, mask, group_ids=gids, num_groups=mask.shape[0], mean_level=mean_level,
                            std_level=std_level, unbiased=unbiased)
     np.testing.assert_allclose(out, ref.normalize(x, mask, gids, mean_level, std_level, unbiased),
                                rtol=1e-9, atol=1e-9)
@@ -244,11 +244,11 @@ def test_jit_vmap_grad():
     r, v = rng.normal(size=(B, T)), rng.normal(size=(B, T))
     m = (rng.random((B, T)) < 0.7).astype(float)
     for method in ("scan", "associative"):
-        eager = jaxprm.gae(r, v, m, method=method)
-        jitted = jax.jit(lambda r, v, m: jaxprm.gae(r, v, m, method=method))(r, v, m)
+        eager = jaxprm.learner.gae(r, v, m, method=method)
+        jitted = jax.jit(lambda r, v, m: jaxprm.learner.gae(r, v, m, method=method))(r, v, m)
         np.testing.assert_allclose(eager[0], jitted[0], atol=1e-12)
         # vmap over an extra leading axis (e.g. several minibatches at once).
-        vm = jax.vmap(lambda r, v, m: jaxprm.gae(r, v, m, method=method)[0])(r[None], v[None], m[None])
+        vm = jax.vmap(lambda r, v, m: jaxprm.learner.gae(r, v, m, method=method)[0])(r[None], v[None], m[None])
         np.testing.assert_allclose(vm[0], eager[0], atol=1e-12)
     vm = jax.vmap(lambda a, p, mm: jaxprm.shape_advantages(a, p, mm, mode="gvpo"))(r[None], -m[None], m[None])
     np.testing.assert_allclose(vm[0], jaxprm.shape_advantages(r, -m, m, mode="gvpo"))
@@ -283,7 +283,7 @@ def _random_batch(rng, B=8, T=32):
 
 
 def test_compute_advantages_does_not_recompile_on_new_content():
-    from jaxprm.advantages import _compute_advantages_jit
+    from jaxprm.learner.advantages import _compute_advantages_jit
 
     with jax.enable_x64(False):
         rng = np.random.default_rng(2)
@@ -316,12 +316,12 @@ def test_process_weighted_out_of_range_raises_eager_and_jit():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: jaxprm.gae(np.zeros(3), np.zeros(3), np.zeros(3)), "rewards must have rank 2"),
-    (lambda: jaxprm.gae(np.zeros((2, 3)), np.zeros((2, 4)), np.zeros((2, 3))), "shape mismatch"),
-    (lambda: jaxprm.gae(np.zeros((2, 3)), np.zeros((2, 3)), np.zeros((2, 3)), method="fft"), r"method='fft'.*allowed"),
+    (lambda: jaxprm.learner.gae(np.zeros(3), np.zeros(3), np.zeros(3)), "rewards must have rank 2"),
+    (lambda: jaxprm.learner.gae(np.zeros((2, 3)), np.zeros((2, 4)), np.zeros((2, 3))), "shape mismatch"),
+    (lambda: jaxprm.learner.gae(np.zeros((2, 3)), np.zeros((2, 3)), np.zeros((2, 3)), method="fft"), r"method='fft'.*allowed"),
     (lambda: jaxprm.kl_penalty(np.zeros(2), np.zeros(2), estimator="k4"), r"estimator='k4'.*\('k1', 'k2', 'k3'\)"),
-    (lambda: jaxprm.normalize(np.zeros((2, 2)), np.ones((2, 2)), mean_level="row"), r"mean_level='row'.*allowed"),
-    (lambda: jaxprm.normalize(np.zeros((2, 2)), np.ones((2, 2)), std_level="group"), "group_ids is required"),
+    (lambda: jaxprm.learner.normalize(np.zeros((2, 2)), np.ones((2, 2)), mean_level="row"), r"mean_level='row'.*allowed"),
+    (lambda: jaxprm.learner.normalize(np.zeros((2, 2)), np.ones((2, 2)), std_level="group"), "group_ids is required"),
     (lambda: jaxprm.shape_advantages(np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), mode="mul"), "mode='mul'"),
     (lambda: jaxprm.policy_loss(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros((1, 2)), np.ones((1, 2)), agg="sum"),
      r"agg='sum'.*token-mean"),

@@ -20,7 +20,7 @@ from rollout.tree import TreeConfig, run_group  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server():
-    from jaxprm.sampler import Sampler
+    from jaxprm.serve.sampler import Sampler
 
     model, tok = models.load_model("tiny")
     sampler = Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from jaxprm.sampler import Sampler, SamplingParams
+from jaxprm.serve.sampler import Sampler, SamplingParams
 from jaxprm.serve import BatchingEngine
 
 

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxprm.sampler import SamplingParams
+from jaxprm.serve.sampler import SamplingParams
 
 PROMPT = "You are walking on a frozen lake."
 

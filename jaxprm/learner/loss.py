@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_2d_same, check_choice, check_float
+from jaxprm.learner._checks import check_2d_same, check_choice, check_float
 
 __all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS"]
 

@@ -9,12 +9,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_choice
-from jaxprm.batch import Batch
-from jaxprm.gae import GAE_METHODS, gae
-from jaxprm.normalize import NORM_LEVELS, group_normalize_rewards, normalize
-from jaxprm.rewards import KL_ESTIMATORS, fold_turn_rewards, kl_penalty, place_outcome_rewards, transform_outcome_rewards
-from jaxprm.shaping import SHAPING_MODES, shape_advantages
+from jaxprm.learner._checks import check_choice
+from jaxprm.learner.batch import Batch
+from jaxprm.learner.gae import GAE_METHODS, gae
+from jaxprm.learner.normalize import NORM_LEVELS, group_normalize_rewards, normalize
+from jaxprm.learner.rewards import KL_ESTIMATORS, fold_turn_rewards, kl_penalty, place_outcome_rewards, transform_outcome_rewards
+from jaxprm.learner.shaping import SHAPING_MODES, shape_advantages
 
 __all__ = ["AdvantageConfig", "Advantages", "compute_advantages"]
 

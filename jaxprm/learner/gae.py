@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_2d_same, check_choice, check_float, check_rank
+from jaxprm.learner._checks import check_2d_same, check_choice, check_float, check_rank
 
 __all__ = ["gae", "GAE_METHODS"]
 

@@ -77,6 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxprm.models import KVCache
+
 __all__ = [
     "SamplingParams",
     "Completion",
@@ -258,8 +260,6 @@ class Sampler:
         host_sync_every: int = 8,
         dedupe_prompts: bool = True,
     ):
-        from jaxprm.models import KVCache  # layer 5 sibling; imported lazily to keep import light
-
         self._kv_cls = KVCache
         self.config = model.config
         self.vocab_size = int(self.config.vocab_size)

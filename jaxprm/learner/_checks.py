@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import chex
+import jax
 import jax.numpy as jnp
 
 
@@ -43,4 +44,24 @@ def check_float(name: str, x: Any) -> None:
         raise TypeError(f"{name} must be a floating-point array, got dtype {jnp.result_type(x)}")
 
 
-__all__ = ["check_choice", "check_rank", "check_same_shape", "check_2d_same", "check_float", "chex"]
+def assert_all(ok: jax.Array, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``all(ok)``.
+
+    Concrete input raises at once. Under ``jit``/``vmap`` the check runs as a host callback, and the
+    ``ValueError`` surfaces as a ``jax.errors.JaxRuntimeError`` carrying the same message.
+    """
+    ok = jnp.all(ok)
+    try:
+        concrete = bool(ok)
+    except jax.errors.ConcretizationTypeError:
+        def _raise_if_false(flag):
+            if not bool(flag):
+                raise ValueError(message)
+
+        jax.debug.callback(_raise_if_false, ok)
+        return
+    if not concrete:
+        raise ValueError(message)
+
+
+__all__ = ["check_choice", "check_rank", "check_same_shape", "check_2d_same", "check_float", "assert_all", "chex"]

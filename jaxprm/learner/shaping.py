@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_2d_same, check_choice, check_float
-from jaxprm.rewards import _assert_all
+from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float
 
 __all__ = ["shape_advantages", "validate_process_rewards", "SHAPING_MODES"]
 
@@ -67,7 +66,7 @@ def shape_advantages(
     if validate:
         ok = validate_process_rewards(p, mask, mode=mode)
         rule = "in [0, 1]" if mode == "process_weighted" else "finite"
-        _assert_all(ok, f"shape_advantages(mode={mode!r}): process_rewards must be {rule} on every "
+        assert_all(ok, f"shape_advantages(mode={mode!r}): process_rewards must be {rule} on every "
                         "active token (mask > 0)")
     if mode == "additive":
         return A + p

@@ -1,4 +1,4 @@
-"""jaxprm.sampler: KV-cache decoding against a no-cache reference, sampling semantics, buckets."""
+"""jaxprm.serve.sampler: KV-cache decoding against a no-cache reference, sampling semantics, buckets."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from jaxprm.models import load_model
-from jaxprm.sampler import Sampler, SamplingParams, apply_top_k_top_p
+from jaxprm.serve.sampler import Sampler, SamplingParams, apply_top_k_top_p
 
 # Small bucket sets keep the number of compiled programs (and the test time) low.
 BUCKETS = dict(batch_buckets=(1, 4, 8), prompt_buckets=(16, 32, 64), new_token_buckets=(8, 16, 32))

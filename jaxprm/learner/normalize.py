@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_choice, check_float, check_rank, check_same_shape
+from jaxprm.learner._checks import check_choice, check_float, check_rank, check_same_shape
 
 __all__ = ["normalize", "group_normalize_rewards", "masked_sum_count", "NORM_LEVELS"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxprm._checks import check_2d_same, check_choice, check_float, check_rank
+from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float, check_rank
 
 __all__ = [
     "shift_to_prediction",
@@ -157,26 +157,6 @@ def fold_turn_rewards(
     tr = jnp.asarray(token_rewards, dt)
     active, tmax, tmin, is_last = _turn_stats(tr, mask, turn_ids)
     uniform = jnp.where(active, (tmax - tmin) <= 1e-6, True)
-    _assert_all(uniform, "fold_turn_rewards: a turn's process reward is not uniform over the turn; "
+    assert_all(uniform, "fold_turn_rewards: a turn's process reward is not uniform over the turn; "
                 "folded mode (token_rewards_as_adv=False) needs one reward per turn")
     return jnp.asarray(rewards, dt) + jnp.where(is_last, tr, jnp.zeros((), dt))
-
-
-def _assert_all(ok: jax.Array, message: str) -> None:
-    """Raise ``ValueError(message)`` unless ``all(ok)``.
-
-    Concrete input raises at once. Under ``jit``/``vmap`` the check runs as a host callback, and the
-    ``ValueError`` surfaces as a ``jax.errors.JaxRuntimeError`` carrying the same message.
-    """
-    ok = jnp.all(ok)
-    try:
-        concrete = bool(ok)
-    except jax.errors.ConcretizationTypeError:
-        def _raise_if_false(flag):
-            if not bool(flag):
-                raise ValueError(message)
-
-        jax.debug.callback(_raise_if_false, ok)
-        return
-    if not concrete:
-        raise ValueError(message)

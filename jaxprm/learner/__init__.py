@@ -1,0 +1,47 @@
+"""The learner (layer 1): pure jitted kernels over ``[B, T]`` arrays and the ``Batch`` pytree.
+
+One topic per module: ``rewards`` (outcome placement, KL penalty, turn folding), ``gae``,
+``normalize``, ``shaping`` (process-reward shaping), ``loss`` (clipped policy loss),
+``advantages`` (the whole reference order as one jitted program) and ``batch`` (padding, buckets).
+Imports jax, chex and numpy only; re-exported by ``jaxprm``.
+"""
+
+from jaxprm.learner.advantages import AdvantageConfig, Advantages, compute_advantages
+from jaxprm.learner.batch import Batch, RowData, bucket_size, pad_rows
+from jaxprm.learner.gae import gae
+from jaxprm.learner.loss import PolicyLossTerms, policy_loss, policy_loss_terms
+from jaxprm.learner.normalize import group_normalize_rewards, masked_sum_count, normalize
+from jaxprm.learner.rewards import (
+    check_uniform_turn_rewards,
+    fold_turn_rewards,
+    kl_penalty,
+    place_outcome_rewards,
+    shift_to_prediction,
+    transform_outcome_rewards,
+)
+from jaxprm.learner.shaping import shape_advantages, validate_process_rewards
+
+__all__ = [
+    "AdvantageConfig",
+    "Advantages",
+    "Batch",
+    "PolicyLossTerms",
+    "RowData",
+    "bucket_size",
+    "check_uniform_turn_rewards",
+    "compute_advantages",
+    "fold_turn_rewards",
+    "gae",
+    "group_normalize_rewards",
+    "kl_penalty",
+    "masked_sum_count",
+    "normalize",
+    "pad_rows",
+    "place_outcome_rewards",
+    "policy_loss",
+    "policy_loss_terms",
+    "shape_advantages",
+    "shift_to_prediction",
+    "transform_outcome_rewards",
+    "validate_process_rewards",
+]

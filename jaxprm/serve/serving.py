@@ -1,0 +1,274 @@
+"""Request handling shared by the server's dialects (OpenAI / vLLM and SGLang).
+
+``Serving`` holds the sampler, tokenizer, batching engine and config, validates what every dialect
+validates (model name, prompt ids, ``max_tokens``, stops, ``n``), runs generation and applies stop
+strings. ``build_choices`` turns the engine's completions into dialect-neutral :class:`Choice`
+records (kept tokens, text, finish reason, log-probs in the requested mode) that each router
+formats in its own shape.
+
+Which log-probability is reported is chosen by ``logprobs_mode`` (server default
+``ServeConfig.logprobs_mode``, per-request field ``logprobs_mode``): ``"processed"`` is the
+log-prob under the distribution the token was sampled from (temperature, top-k, top-p applied),
+``"raw"`` the model's own log-softmax at temperature 1 (see ``jaxprm.serve.sampler``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxprm.serve.engine import BatchingEngine
+from jaxprm.serve.errors import APIError
+from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
+
+__all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params"]
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Server options.
+
+    Attributes:
+      model_name: the name served in ``/v1/models`` and accepted in ``model`` (also ``None``/absent).
+      api_key: if set, every endpoint but ``/health`` requires ``Authorization: Bearer <api_key>``.
+      max_body_bytes: larger request bodies get 413.
+      max_n: largest ``n`` per prompt; ``max_rows_per_request`` caps ``n * number of prompts``.
+      default_max_tokens: chat / default cap when the request gives none (``None``: rest of context).
+      logprobs_mode: ``"processed"`` (sampling distribution) or ``"raw"`` (temperature-1 policy).
+      request_timeout_s: a request waiting longer for generation gets 504.
+      collect_window_s / max_collect_s / max_batch: dynamic batching: a batch closes when no request
+        arrived for ``collect_window_s``, ``max_collect_s`` after its first request, or at
+        ``max_batch`` rows (see ``BatchingEngine``).
+      max_stop_strings: most ``stop`` strings per request.
+    """
+
+    model_name: str = "jaxprm"
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 64
+    max_rows_per_request: int = 256
+    default_max_tokens: int | None = None
+    logprobs_mode: str = "processed"
+    request_timeout_s: float = 600.0
+    collect_window_s: float = 0.005
+    max_collect_s: float = 0.05
+    max_batch: int | None = None
+    max_stop_strings: int = 16
+
+    def __post_init__(self):
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+
+
+class Serving:
+    """Everything a request handler needs, shared by the dialects: sampler, tokenizer, batching
+    engine, config, a token-text cache, request validation, generation and stop-string cuts."""
+
+    def __init__(self, sampler: Sampler, tokenizer, config: ServeConfig, load_fn: Callable | None):
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.config = config
+        self.load_fn = load_fn
+        self.engine = BatchingEngine(sampler, max_batch=config.max_batch, collect_window_s=config.collect_window_s,
+                                     max_collect_s=config.max_collect_s)
+        self.created = int(time.time())
+        self.swap_lock = asyncio.Lock()
+        self._token_text: dict[int, str] = {}
+
+    # tokens <-> text ---------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (special tokens included), cached."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def token_label(token_id: int) -> str:
+        """vLLM's ``return_tokens_as_token_ids`` form of a token: ``"token_id:<id>"``."""
+        return f"token_id:{token_id}"
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    # validation --------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(f"The model `{name}` does not exist. Served: `{self.config.model_name}`.",
+                           status=404, param="model", type="NotFoundError")
+
+    def check_prompt_ids(self, ids: Sequence[int], *, param: str) -> None:
+        if len(ids) == 0:
+            raise APIError("prompt is empty", param=param)
+        V = self.sampler.vocab_size
+        bad = [t for t in ids if not (0 <= int(t) < V)]
+        if bad:
+            raise APIError(f"token ids out of vocabulary [0, {V}): {bad[:8]}", param=param)
+        ctx = self.sampler.max_context
+        if len(ids) >= ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)} "
+                           f"tokens, which leaves no room to generate.", param=param)
+
+    def resolve_max_tokens(self, requested: int | None, prompt_lens: Sequence[int], *, param: str) -> int:
+        ctx = self.sampler.max_context
+        room = ctx - max(prompt_lens)
+        cap = min(room, self.sampler.new_token_buckets[-1])
+        if requested is None:
+            value = cap if self.config.default_max_tokens is None else min(cap, self.config.default_max_tokens)
+            return max(1, value)
+        if requested < 1:
+            raise APIError(f"{param} must be at least 1, got {requested}", param=param)
+        if requested > cap:
+            raise APIError(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{requested} output tokens and your prompt contains {max(prompt_lens)} tokens, "
+                f"for a total of {requested + max(prompt_lens)} tokens (at most {cap} output tokens "
+                f"fit). Please reduce the length of the prompt or {param}.",
+                param=param,
+            )
+        return int(requested)
+
+    def check_stop_token_ids(self, ids: Sequence[int] | None, *, param: str = "stop_token_ids") -> tuple[int, ...]:
+        ids = tuple(int(t) for t in (ids or ()))
+        V = self.sampler.vocab_size
+        bad = [t for t in ids if not (0 <= t < V)]
+        if bad:
+            raise APIError(f"stop token ids out of vocabulary [0, {V}): {bad[:8]}", param=param)
+        return ids
+
+    def check_stop_strings(self, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > self.config.max_stop_strings:
+            raise APIError(f"at most {self.config.max_stop_strings} stop strings, got {len(stops)}", param="stop")
+        if any(s == "" for s in stops):
+            raise APIError("stop strings must be non-empty", param="stop")
+        return stops
+
+    def check_n(self, n: int, num_prompts: int) -> None:
+        if n > self.config.max_n:
+            raise APIError(f"n must be in [1, {self.config.max_n}], got {n}", param="n")
+        if n * num_prompts > self.config.max_rows_per_request:
+            raise APIError(f"n * number of prompts = {n * num_prompts} exceeds {self.config.max_rows_per_request}",
+                           param="n")
+
+    @staticmethod
+    def check_unsupported(req) -> None:
+        if getattr(req, "stream", False):
+            raise APIError("streaming is not supported by this server; send stream=false", param="stream")
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(req, name, None)
+            if value is not None and value != neutral:
+                raise APIError(f"{name} is not supported (only the neutral value {neutral})", param=name)
+
+    def logprobs_mode(self, req) -> str:
+        return getattr(req, "logprobs_mode", None) or self.config.logprobs_mode
+
+    # generation --------------------------------------------------------------------------
+    async def run(self, prompts, params, choices) -> list[Completion]:
+        if not self.engine.running:
+            raise APIError("generation engine is not running", status=503)
+        for p, sp in zip(prompts, params):  # reject here rather than fail a whole batch later
+            try:
+                self.sampler.check_request(p, sp)
+            except ValueError as exc:
+                raise APIError(str(exc)) from exc
+        try:
+            return await self.engine.generate(prompts, params, choices, timeout=self.config.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(f"generation timed out after {self.config.request_timeout_s} s", status=504) from None
+        except ValueError as exc:  # the sampler's own checks
+            raise APIError(str(exc)) from exc
+
+    def cut_at_stop_strings(self, c: Completion, stops: Sequence[str]) -> tuple[int, str, str | None]:
+        """Return (tokens kept, text, matched stop string) after applying stop strings (post hoc).
+
+        Generation stops on tokens only; a stop string is applied afterwards: the output keeps the
+        shortest token prefix whose text contains a stop string, and the text is cut before it.
+        """
+        n = len(c.token_ids)
+        text = self.decode(c.token_ids)
+        if not stops or not any(s in text for s in stops):
+            return n, text, None
+        lo, hi = 1, n  # smallest j with a stop string inside decode(tokens[:j])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in self.decode(c.token_ids[:mid]) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        prefix = self.decode(c.token_ids[:lo])
+        cut, matched = min((prefix.find(s), s) for s in stops if s in prefix)
+        return lo, prefix[:cut], matched
+
+
+def sampling_params(*, max_tokens: int, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, top_logprobs) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        seed=seed,
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=bool(ignore_eos),
+        top_logprobs=int(top_logprobs),
+    )
+
+
+def _logprob_arrays(c: Completion, n_keep: int, mode: str):
+    lps = (c.logprobs if mode == "raw" else c.sampling_logprobs)[:n_keep]
+    col = 1 if mode == "raw" else 2
+    tops = None if c.top_logprobs is None else [[(t[0], t[col]) for t in pos] for pos in c.top_logprobs[:n_keep]]
+    return lps, tops
+
+
+def _finish_reason(c: Completion, matched: str | None, n_keep: int, eos_ids: Sequence[int]) -> tuple[str, Any]:
+    if matched is not None:
+        return "stop", matched
+    if c.finish_reason == "stop" and n_keep == len(c.token_ids):
+        sid = c.stop_token_id
+        return "stop", (None if sid in eos_ids else sid)
+    return c.finish_reason, None
+
+
+
+@dataclasses.dataclass
+class Choice:
+    """One generated choice after stop strings, in dialect-neutral form.
+
+    ``token_ids`` are the kept output tokens; ``logprobs`` their log-probs in the requested mode and
+    ``top_logprobs`` per kept token ``[(token_id, logprob), ...]`` (``None`` when not requested);
+    ``finish_reason`` is ``"stop"`` or ``"length"`` and ``stop_reason`` the matched stop string or
+    stop token id (``None`` for EOS among ``eos_ids``).
+    """
+
+    index: int
+    completion: Completion
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: Any
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def build_choices(srv: Serving, results: Sequence[Completion], stops: Sequence[str], mode: str, *,
+                  eos_ids: Sequence[int] | None = None) -> list[Choice]:
+    """Apply stop strings and pick log-probs for every completion; ``eos_ids`` default to the
+    sampler's (their stop reason is reported as ``None``)."""
+    eos = srv.sampler.eos_token_ids if eos_ids is None else tuple(eos_ids)
+    out = []
+    for idx, c in enumerate(results):
+        n_keep, text, matched = srv.cut_at_stop_strings(c, stops)
+        reason, stop_reason = _finish_reason(c, matched, n_keep, eos)
+        lps, tops = _logprob_arrays(c, n_keep, mode)
+        out.append(Choice(index=idx, completion=c, token_ids=c.token_ids[:n_keep], text=text, finish_reason=reason,
+                          stop_reason=stop_reason, logprobs=lps, top_logprobs=tops))
+    return out

@@ -1,0 +1,124 @@
+"""The SGLang dialect: ``/generate`` and the RL control routes.
+
+* ``/generate``: ``text`` or ``input_ids`` (one or a batch), ``sampling_params``, ``return_logprob``
+  -> ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text_or_null]``; the weight
+  version in ``meta_info.weight_version``.
+* ``/update_weights_from_disk``: load a saved checkpoint (``{"model_path": ...}``) and swap it in.
+* ``/get_weight_version``, ``/get_model_info``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from jaxprm.serve.errors import APIError
+from jaxprm.serve.protocol import GenerateRequest, UpdateWeightsFromDiskRequest
+from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
+from jaxprm.serve.serving import Serving, build_choices, sampling_params
+
+__all__ = ["sglang_router"]
+
+
+def sglang_router(srv: Serving) -> APIRouter:
+    """The SGLang-dialect routes over ``srv``."""
+    router = APIRouter()
+    config = srv.config
+
+    @router.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": srv.sampler.weight_version}
+
+    @router.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": config.model_name, "is_generation": True, "max_context": srv.sampler.max_context,
+                "vocab_size": srv.sampler.vocab_size, "weight_version": srv.sampler.weight_version}
+
+    @router.post("/generate")
+    async def generate(req: GenerateRequest):
+        if req.stream:
+            raise APIError("streaming is not supported by this server; send stream=false", param="stream")
+        spp = req.sampling_params
+        srv.check_unsupported(spp)
+        if (req.text is None) == (req.input_ids is None):
+            raise APIError("exactly one of 'text' or 'input_ids' must be given", param="text")
+        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
+            raise APIError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+        if req.text is not None:
+            batched = isinstance(req.text, list)
+            texts = req.text if batched else [req.text]
+            ids_list = [srv.encode(t, add_special_tokens=True) for t in texts]
+        else:
+            batched = len(req.input_ids) > 0 and isinstance(req.input_ids[0], list)
+            ids_list = [list(x) for x in req.input_ids] if batched else [list(req.input_ids)]
+        if batched and not ids_list:
+            raise APIError("empty batch", param="input_ids" if req.input_ids is not None else "text")
+        for ids in ids_list:
+            srv.check_prompt_ids(ids, param="input_ids" if req.input_ids is not None else "text")
+        srv.check_n(spp.n, len(ids_list))
+        max_new = srv.resolve_max_tokens(spp.max_new_tokens, [len(x) for x in ids_list],
+                                         param="sampling_params.max_new_tokens")
+        stops = srv.check_stop_strings(spp.stop)
+        seed = spp.sampling_seed if spp.sampling_seed is not None else spp.seed
+        top_n = req.top_logprobs_num if req.return_logprob else 0
+        sp = sampling_params(max_tokens=max_new, temperature=spp.temperature, top_p=spp.top_p, top_k=spp.top_k,
+                             seed=seed, stop_token_ids=srv.check_stop_token_ids(spp.stop_token_ids,
+                                                                                param="sampling_params.stop_token_ids"),
+                             ignore_eos=spp.ignore_eos, top_logprobs=top_n)
+        rows = [ids for ids in ids_list for _ in range(spp.n)]
+        choices_idx = [j for _ in ids_list for j in range(spp.n)]
+        t0 = time.perf_counter()
+        results = await srv.run(rows, [sp] * len(rows), choices_idx)
+        latency = time.perf_counter() - t0
+        rids = req.rid if isinstance(req.rid, list) else None
+        outs = []
+        for ch in build_choices(srv, results, stops, srv.logprobs_mode(req), eos_ids=()):
+            c, ids = ch.completion, ch.token_ids
+            if ch.finish_reason == "stop":
+                finish = {"type": "stop", "matched": ch.stop_reason}
+            else:
+                finish = {"type": "length", "length": len(ids)}
+            row = ch.index // spp.n
+            rid = rids[row] if rids and row < len(rids) else (req.rid if isinstance(req.rid, str) else uuid.uuid4().hex)
+            meta: dict[str, Any] = {
+                "id": rid, "finish_reason": finish, "prompt_tokens": len(c.prompt_ids),
+                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": c.weight_version,
+                "e2e_latency": latency,
+            }
+            if req.return_logprob:
+                txt = srv.token_text if req.return_text_in_logprobs else (lambda t: None)
+                meta["output_token_logprobs"] = [[ch.logprobs[j], t, txt(t)] for j, t in enumerate(ids)]
+                meta["input_token_logprobs"] = []
+                if top_n:
+                    meta["output_top_logprobs"] = [[[lp, tid, txt(tid)] for tid, lp in ch.top_logprobs[j][:top_n]]
+                                                   for j in range(len(ids))]
+            outs.append({"text": ch.text, "output_ids": ids, "meta_info": meta})
+        return outs if (batched or spp.n > 1) else outs[0]
+
+    @router.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
+        version = None
+        if req.weight_version is not None:
+            try:
+                version = int(req.weight_version)
+            except (TypeError, ValueError):
+                raise APIError("weight_version must be an integer", param="weight_version") from None
+        load = srv.load_fn
+        if load is None:
+            from jaxprm.models import load_model as load
+        async with srv.swap_lock:
+            try:
+                model, _ = await asyncio.to_thread(load, req.model_path)
+                new_version = await asyncio.to_thread(srv.sampler.update_params, model, version=version)
+            except Exception as exc:  # a bad path or checkpoint is reported, the old weights stay
+                return JSONResponse({"success": False, "message": f"{type(exc).__name__}: {exc}",
+                                     "weight_version": srv.sampler.weight_version}, status_code=400)
+        return {"success": True, "message": f"loaded weights from {req.model_path}",
+                "weight_version": new_version, "num_paused_requests": 0}
+
+    return router
