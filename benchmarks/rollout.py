@@ -28,9 +28,11 @@ from typing import Any
 from rollout.chat import PromptBuilder
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, make_tasks
-from rollout.export import describe_groups, export_groups
+from rollout.export import export_groups
+from rollout.stats import describe_groups
 from rollout.testing import make_test_tokenizer
-from rollout.tree import ScorerAdapter, TreeConfig, run_groups
+from rollout.tree import TreeConfig, run_groups
+from scorers import FrozenLakeProgressScorer
 
 
 def _free_port() -> int:
@@ -60,20 +62,7 @@ def _start_server(p_good: float) -> tuple[subprocess.Popen, str]:
 
 
 def _scorer() -> tuple[Any, str]:
-    try:
-        from scorers.frozenlake import FrozenLakeProgressScorer
-    except ImportError:  # the scorers layer is optional for this benchmark
-        class _Progress:
-            async def score(self, branch, ctx):
-                st = branch[-1].env_state
-                if st["success"]:
-                    return 1.0
-                if st["distance"] < 0 or st["start_distance"] <= 0:
-                    return 0.0
-                return 0.5 * min(max(1.0 - st["distance"] / st["start_distance"], 0.0), 1.0)
-
-        return _Progress(), "inline progress heuristic"
-    return ScorerAdapter(FrozenLakeProgressScorer()), "scorers.FrozenLakeProgressScorer"
+    return FrozenLakeProgressScorer(), "scorers.FrozenLakeProgressScorer"
 
 
 async def _bench(url: str, tasks: list, cfg: TreeConfig, scorer: Any, prompts: PromptBuilder, seed: int) -> dict[str, Any]:

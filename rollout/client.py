@@ -53,7 +53,12 @@ _FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 
 
 class GenerationError(RuntimeError):
-    """A request failed for good (non-retryable status, bad response, or retries exhausted)."""
+    """A request failed for good (non-retryable status, bad response, or retries exhausted);
+    ``status`` is the last HTTP status, if the server answered."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class TextOnlyResponseError(GenerationError):
@@ -248,44 +253,8 @@ class GenerationClient:
             payload = json.dumps(body, separators=(",", ":")).encode()
         client_s = time.perf_counter() - t_build
         cfg = self.config
-        attempt = 0
-        http_s = 0.0
-        last_err = ""
         async with self._sem:
-            ep = self.pick_endpoint(route_key)
-            while True:
-                self._outstanding[ep] += 1
-                self._stats["requests"] += 1
-                t0 = time.perf_counter()
-                status = None
-                k = min(range(len(self._pools)), key=self._pool_load.__getitem__)
-                self._pool_load[k] += 1
-                try:
-                    resp = await self._pools[k].post(ep + path, content=payload, headers=_JSON_HEADERS)
-                    status = resp.status_code
-                    if status == 200:
-                        data = resp.content
-                except (httpx.TransportError, httpx.TimeoutException) as e:
-                    last_err = f"{type(e).__name__}: {e}"
-                finally:
-                    http_s += time.perf_counter() - t0
-                    self._outstanding[ep] -= 1
-                    self._pool_load[k] -= 1
-                if status == 200:
-                    break
-                if status is not None:
-                    last_err = f"HTTP {status}: {resp.text[:300]}"
-                    if status not in _RETRY_STATUS:
-                        self._stats["failures"] += 1
-                        raise GenerationError(f"{ep}{path} failed: {last_err}")
-                if attempt >= cfg.max_retries:
-                    self._stats["failures"] += 1
-                    raise GenerationError(f"{ep}{path} failed after {attempt + 1} attempts: {last_err}")
-                self._stats["retries"] += 1
-                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** attempt))
-                await asyncio.sleep(self._rng.uniform(0, delay))
-                attempt += 1
-                ep = self._failover(ep, route_key)
+            data, ep, attempts, http_s = await self._send("POST", path, payload, route_key=route_key)
         t_parse = time.perf_counter()
         try:
             data = json.loads(data)
@@ -301,8 +270,89 @@ class GenerationClient:
         self._stats["prompt_tokens"] += len(prompt)
         self._stats["generated_tokens"] += len(out)
         client_s += time.perf_counter() - t_parse
-        return Generated(response=response, text=text, endpoint=ep, attempts=attempt + 1, http_s=http_s,
+        return Generated(response=response, text=text, endpoint=ep, attempts=attempts, http_s=http_s,
                          client_s=client_s)
+
+    async def _send(self, method: str, path: str, payload: bytes | None, *, route_key: str | None = None,
+                    endpoint: str | None = None) -> tuple[bytes, str, int, float]:
+        """One request under the client's retry policy; returns ``(body, endpoint, attempts, http_s)``.
+
+        Connection errors, timeouts and the statuses in ``_RETRY_STATUS`` are retried up to
+        ``max_retries`` times with full-jitter exponential backoff; other statuses fail at once. With
+        ``endpoint`` the request stays there; otherwise the route key picks one and a retry fails
+        over to another endpoint (re-pinning the key). Raises :class:`GenerationError`.
+        """
+        cfg = self.config
+        ep = endpoint or self.pick_endpoint(route_key)
+        attempt = 0
+        http_s = 0.0
+        last_err = ""
+        while True:
+            self._outstanding[ep] = self._outstanding.get(ep, 0) + 1
+            self._stats["requests"] += 1
+            t0 = time.perf_counter()
+            status = None
+            k = min(range(len(self._pools)), key=self._pool_load.__getitem__)
+            self._pool_load[k] += 1
+            try:
+                if method == "GET":
+                    resp = await self._pools[k].get(ep + path)
+                else:
+                    resp = await self._pools[k].post(ep + path, content=payload, headers=_JSON_HEADERS)
+                status = resp.status_code
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last_err = f"{type(e).__name__}: {e}"
+            finally:
+                http_s += time.perf_counter() - t0
+                self._outstanding[ep] -= 1
+                self._pool_load[k] -= 1
+            if status == 200:
+                return resp.content, ep, attempt + 1, http_s
+            if status is not None:
+                last_err = f"HTTP {status}: {resp.text[:300]}"
+                if status not in _RETRY_STATUS:
+                    self._stats["failures"] += 1
+                    raise GenerationError(f"{ep}{path} failed: {last_err}", status=status)
+            if attempt >= cfg.max_retries:
+                self._stats["failures"] += 1
+                raise GenerationError(f"{ep}{path} failed after {attempt + 1} attempts: {last_err}", status=status)
+            self._stats["retries"] += 1
+            delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** attempt))
+            await asyncio.sleep(self._rng.uniform(0, delay))
+            attempt += 1
+            if endpoint is None:
+                ep = self._failover(ep, route_key)
+
+    # ------------------------------------------------------------------ server control
+
+    async def check_health(self) -> None:
+        """Check that every endpoint answers (``GET /health``, else ``GET /v1/models`` for servers
+        without it), under the retry policy. Raises :class:`GenerationError` naming the endpoint."""
+        for ep in self.config.endpoints:
+            try:
+                await self._send("GET", "/health", None, endpoint=ep)
+            except GenerationError as e:
+                if e.status is None:
+                    raise GenerationError(f"generation server {ep} unreachable: {e}") from None
+                if e.status != 404:
+                    raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from None
+                await self._send("GET", "/v1/models", None, endpoint=ep)
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
+        """``POST /update_weights_from_disk`` (SGLang's route, also the embedded server's) on every
+        endpoint, under the retry policy; the server must answer 200 with ``success`` true."""
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = int(weight_version)
+        payload = json.dumps(body).encode()
+        for ep in self.config.endpoints:
+            data, *_ = await self._send("POST", "/update_weights_from_disk", payload, endpoint=ep)
+            try:
+                ok = json.loads(data).get("success", True)
+            except (ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise GenerationError(f"{ep}/update_weights_from_disk refused {model_path}: {data[:300]!r}")
 
 
 # ---------------------------------------------------------------------- response parsing

@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
 from rollout.tree import GroupResult, LeafRecord
 from rollout.types import InteractionTree
+from scorers import filter_mixed_or_penalized_all_wrong, filter_mixed_or_penalized_all_wrong_mask_no_eos
 
-__all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "describe_groups", "ProcessRewards"]
+__all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "filter_groups", "ProcessRewards", "FILTERS"]
 
 ProcessRewards = Mapping[str, Mapping[str, np.ndarray]]
 """``{leaf_id: {interaction_id: float32[output_len]}}`` as ``PRMRunner.score_branches`` returns."""
+
+#: Group filters by name (``rollout.filter`` in the trainer): the spec's "mixed or penalized all-wrong".
+FILTERS = {
+    "mixed_or_penalized_all_wrong": filter_mixed_or_penalized_all_wrong,
+    "mixed_or_penalized_all_wrong_mask_no_eos": filter_mixed_or_penalized_all_wrong_mask_no_eos,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,38 +135,23 @@ def export_groups(groups: Sequence[GroupResult], *, process_rewards: Sequence[Pr
     return batch, meta
 
 
-def describe_groups(groups: Sequence[GroupResult]) -> dict[str, Any]:
-    """Aggregate stats over groups (for logs): success rates and tree accounting."""
-    n = max(len(groups), 1)
-    tot = lambda name: sum(getattr(g.stats, name) for g in groups)  # noqa: E731
-    leaves = max(tot("leaves"), 1)
-    return {
-        "groups": len(groups),
-        "trajectories": tot("leaves"),
-        "success_rate": tot("successes") / leaves,
-        "groups_with_success": sum(1 for g in groups if g.stats.any_success) / n,
-        "mixed_groups": sum(1 for g in groups if 0 < g.stats.successes < g.stats.leaves) / n,
-        "sampled_actions": tot("sampled_actions"),
-        "invalid_rate": tot("invalid_actions") / max(tot("sampled_actions"), 1),
-        "expanded": tot("expanded"),
-        "pruned": tot("pruned"),
-        "loop_stopped": tot("loop_stopped"),
-        "refills": tot("refills"),
-        "checkpoints": sum(len(g.stats.checkpoints) for g in groups),
-        "per_checkpoint": _per_checkpoint(groups),
-        "generated_tokens": tot("generated_tokens"),
-        "prompt_tokens": tot("prompt_tokens"),
-        "sibling_shared_tokens": tot("sibling_shared_tokens"),
-    }
-
-
-def _per_checkpoint(groups: Sequence[GroupResult]) -> list[dict[str, int]]:
-    """Summed active / expanded / children / pruned / survived at checkpoint index 0, 1, ..."""
-    out: list[dict[str, int]] = []
-    for g in groups:
-        for c in g.stats.checkpoints:
-            while len(out) <= c.index:
-                out.append({"index": len(out), "active": 0, "expanded": 0, "children": 0, "pruned": 0, "survived": 0})
-            for k in ("active", "expanded", "children", "pruned", "survived"):
-                out[c.index][k] += getattr(c, k)
-    return out
+def filter_groups(groups: Sequence[GroupResult], process_rewards: Sequence[ProcessRewards | None], name: str,
+                  counters: dict[str, int]) -> tuple[list[GroupResult], list[ProcessRewards | None]]:
+    """Apply the group filter ``name`` (a key of :data:`FILTERS`) to each group's training leaves:
+    outcome reward, the branch's process rewards (its turns' arrays concatenated) and whether the
+    last response was truncated. Returns the kept groups and their process rewards; ``counters`` gets
+    each decision's reason."""
+    fn = FILTERS[name]
+    kept_g, kept_r = [], []
+    for g, pr in zip(groups, process_rewards, strict=True):
+        samples = []
+        for lf in g.leaves:
+            tr = None
+            if pr is not None and lf.leaf_id in pr:
+                parts = [np.asarray(v, np.float32) for v in pr[lf.leaf_id].values()]
+                tr = np.concatenate(parts) if parts else None
+            samples.append({"reward": lf.outcome_reward, "token_rewards": tr, "truncated": lf.truncated})
+        if fn(samples, counters=counters):
+            kept_g.append(g)
+            kept_r.append(pr)
+    return kept_g, kept_r

@@ -39,7 +39,7 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
@@ -47,11 +47,10 @@ from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
 from rollout.client import GenerationClient, SamplingParams
 from rollout.envs.base import Env
 from rollout.types import Interaction, InteractionTree, branch_messages
+from scorers import BaseScorer, score_branch
 
 __all__ = [
     "TreeConfig",
-    "BranchScorer",
-    "ScorerAdapter",
     "LeafRecord",
     "CheckpointStats",
     "GroupStats",
@@ -70,47 +69,6 @@ DROPPED_UNDER_BEST_N = ("pruned", "loop")
 
 class RolloutError(RuntimeError):
     """A group could not be rolled out (a request, env step or scorer failed); the cause is chained."""
-
-
-@runtime_checkable
-class BranchScorer(Protocol):
-    """Scores a partial branch for PaTR: higher = more promising. Must return a float in [0, 1].
-
-    ``branch`` is an independent clone (root-to-current turn); ``ctx`` has ``"messages"`` (the full
-    conversation), ``"branch"``, ``"task"`` and ``"branch_id"``.
-    """
-
-    async def score(self, branch: list[Interaction], ctx: dict[str, Any]) -> float: ...
-
-
-class ScorerAdapter:
-    """Wraps any ``scorers.BaseScorer`` (``async evaluate(interaction, ctx)``) as a BranchScorer.
-
-    Calls ``evaluate(branch[-1], ctx)``; a scalar is used as is, a per-token array is averaged.
-    ``None`` or an exception fails the group (as the scorer contract says for rejections).
-    """
-
-    def __init__(self, scorer: Any, *, reduce: str = "mean"):
-        if not hasattr(scorer, "evaluate"):
-            raise TypeError(f"{type(scorer).__name__} has no evaluate(interaction, ctx)")
-        if reduce not in ("mean", "last", "sum"):
-            raise ValueError(f"reduce={reduce!r}; allowed: mean, last, sum")
-        self.scorer = scorer
-        self.reduce = reduce
-        self.name = getattr(scorer, "name", type(scorer).__name__)
-
-    async def score(self, branch: list[Interaction], ctx: dict[str, Any]) -> float:
-        value = await self.scorer.evaluate(branch[-1], ctx)
-        if value is None:
-            raise ValueError(f"scorer {self.name!r} rejected branch {ctx.get('branch_id')!r} (returned None)")
-        if hasattr(value, "reward") and not isinstance(value, (int, float, np.ndarray)):
-            value = value.reward  # a PRMScorerResult-like object
-        arr = np.asarray(value, dtype=np.float64).reshape(-1)
-        if arr.size == 0:
-            raise ValueError(f"scorer {self.name!r} returned an empty array")
-        if arr.size == 1:
-            return float(arr[0])
-        return float({"mean": arr.mean, "sum": arr.sum, "last": lambda: arr[-1]}[self.reduce]())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +256,7 @@ async def _gather(coros: Sequence[Any]) -> list[Any]:
 
 class _GroupRun:
     def __init__(self, task: Any, env_factory: Callable[[], Env], client: GenerationClient, prompts: PromptBuilder,
-                 config: TreeConfig, scorer: BranchScorer | None, group_seed: int, group_key: str):
+                 config: TreeConfig, scorer: BaseScorer | None, group_seed: int, group_key: str):
         self.task, self.env_factory, self.client, self.prompts = task, env_factory, client, prompts
         self.cfg, self.scorer, self.group_seed, self.key = config, scorer, group_seed, group_key
         self.tree = InteractionTree()
@@ -407,10 +365,10 @@ class _GroupRun:
     # ------------------------------------------------------------------ scoring
 
     async def _score_one(self, b: _Branch) -> float:
-        branch = self.tree.clone_branch(b.last_id)
-        ctx = {"messages": branch_messages(branch), "branch": branch, "task": self.task, "branch_id": b.id}
-        s = await asyncio.wait_for(self.scorer.score(branch, ctx), self.cfg.score_timeout_s)
-        s = float(s)
+        branch = self.tree.branch(b.last_id)  # score_branch works on private copies
+        ctx = {"task": self.task, "branch_id": b.id}
+        s = await asyncio.wait_for(score_branch(self.scorer, branch, messages=branch_messages(branch), ctx=ctx),
+                                   self.cfg.score_timeout_s)
         if not np.isfinite(s) or not 0.0 <= s <= 1.0:
             raise ValueError(f"branch score {s} for {b.id} is outside [0, 1]")
         return s
@@ -522,7 +480,7 @@ class _GroupRun:
 
 
 async def run_group(task: Any, *, env_factory: Callable[[], Env], client: GenerationClient,
-                    prompts: PromptBuilder | ChatTokenizer, config: TreeConfig, scorer: BranchScorer | None = None,
+                    prompts: PromptBuilder | ChatTokenizer, config: TreeConfig, scorer: BaseScorer | None = None,
                     group_seed: int = 0, group_key: str | None = None) -> GroupResult:
     """Roll out one group for ``task`` with ``config.strategy`` (see the module docstring).
 
@@ -532,8 +490,9 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
       client: the generation client (requests use ``group_key`` as the sticky route key).
       prompts: a :class:`PromptBuilder`, or a tokenizer to build one from.
       config: the strategy and its parameters.
-      scorer: the branch scorer (required for ``"patr"``); wrap a ``scorers.BaseScorer`` in
-        :class:`ScorerAdapter`.
+      scorer: the branch scorer (required for ``"patr"``): a ``scorers.BaseScorer`` whose reward for a
+        partial branch's last turn (mean over its tokens) must lie in [0, 1]; scored through
+        ``scorers.score_branch``, the same isolation and validation as export-time scoring.
       group_seed: distinguishes groups (and steps) for per-request seeds.
       group_key: prefix of interaction ids and the route key; default ``f"g{group_seed}"``.
 

@@ -4,8 +4,10 @@
   ``PRMMetricObservation`` (``scorers.base``);
 - configuration: ``PRMConfig``, ``ScorerSpec``, ``AdvantageShapingConfig``, ``validate_prm_config``
   (``scorers.config``);
-- ``PRMRunner`` (``run`` one branch, ``score_branches`` of a tree, owned/borrowed lifecycle) and
-  ``score_branch`` (one scalar for a partial branch, for PaTR) (``scorers.runner``);
+- branch scoring, the one path both callers use (``scorers.branch``): isolation, validation,
+  ``score_branch`` (one scalar for a partial branch, for PaTR);
+- ``PRMRunner`` (``run`` one branch, ``score_branches`` of a tree, owned/borrowed lifecycle)
+  (``scorers.runner``);
 - ``MetricsAccumulator`` (mergeable; ``rollout`` / ``eval-rollout`` namespaces) (``scorers.metrics``);
 - group filters (``scorers.filters``);
 - built-in scorers: ``LengthBudgetScorer``, ``FrozenLakeProgressScorer``, ``LLMJudgeScorer``,
@@ -25,6 +27,8 @@ from scorers.config import (
     AdvantageShapingConfig,
     PRMConfig,
     ScorerSpec,
+    check_scorer_specs,
+    resolve_scorer_class,
     validate_prm_config,
 )
 from scorers.filters import (
@@ -40,7 +44,8 @@ from scorers.length_budget import LengthBudgetScorer
 from scorers.llm_judge import LLMJudgeScorer
 from scorers.metrics import EVAL_NAMESPACE, ROLLOUT_NAMESPACE, MetricsAccumulator, namespace_for
 from scorers.prm_model import PRMModelScorer
-from scorers.runner import PRMRunner, RunResult, SessionScores, score_branch
+from scorers.branch import score_branch
+from scorers.runner import PRMRunner, RunResult, SessionScores
 from scorers._http import ScorerHTTPError
 
 __all__ = [
@@ -68,11 +73,13 @@ __all__ = [
     "ScorerSpec",
     "ScoringRejected",
     "SessionScores",
+    "check_scorer_specs",
     "filter_mixed_or_penalized_all_wrong",
     "filter_mixed_or_penalized_all_wrong_mask_no_eos",
     "frozenlake_progress_score",
     "namespace_for",
     "new_filter_counters",
+    "resolve_scorer_class",
     "score_branch",
     "validate_prm_config",
 ]

@@ -10,13 +10,16 @@ Cancellation propagates at any point.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import httpx
 
-__all__ = ["HTTPJsonClient", "ScorerHTTPError"]
+from scorers.base import BaseScorer
+
+__all__ = ["HTTPOptions", "HTTPJsonClient", "HTTPScorer", "ScorerHTTPError"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,42 +41,51 @@ def _check_pos(name: str, value: Any, *, allow_zero: bool = False) -> float:
     return float(value)
 
 
-class HTTPJsonClient:
-    """Lazily created ``httpx.AsyncClient`` (one per event loop) with retrying JSON POSTs.
+@dataclasses.dataclass(frozen=True)
+class HTTPOptions:
+    """How a scorer talks to its server: the options every HTTP-backed scorer shares.
 
-    Args:
-      base_url: server root, e.g. ``http://127.0.0.1:8000``.
+    Attributes:
       api_key: sent as ``Authorization: Bearer <key>`` when given.
       timeout_s: bound on one whole attempt (> 0).
       max_retries: extra attempts after the first (>= 0).
       backoff_s: first retry delay (>= 0), doubling, capped at ``max_backoff_s``.
-      max_concurrency: requests in flight at once from this client (> 0).
+      max_concurrency: requests in flight at once from one scorer (> 0).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 30.0,
-        max_retries: int = 2,
-        backoff_s: float = 0.5,
-        max_backoff_s: float = 4.0,
-        max_concurrency: int = 16,
-    ) -> None:
+    api_key: str | None = None
+    timeout_s: float = 30.0
+    max_retries: int = 2
+    backoff_s: float = 0.5
+    max_backoff_s: float = 4.0
+    max_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timeout_s", _check_pos("timeout_s", self.timeout_s))
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {self.max_retries!r}")
+        object.__setattr__(self, "backoff_s", _check_pos("backoff_s", self.backoff_s, allow_zero=True))
+        object.__setattr__(self, "max_backoff_s", _check_pos("max_backoff_s", self.max_backoff_s, allow_zero=True))
+        mc = self.max_concurrency
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+            raise ValueError(f"max_concurrency must be an int >= 1, got {mc!r}")
+
+
+class HTTPJsonClient:
+    """Lazily created ``httpx.AsyncClient`` (one per event loop) with retrying JSON POSTs to
+    ``base_url`` (e.g. ``http://127.0.0.1:8000``), as :class:`HTTPOptions` say."""
+
+    def __init__(self, base_url: str, options: HTTPOptions = HTTPOptions()) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = _check_pos("timeout_s", timeout_s)
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
-        self.max_retries = max_retries
-        self.backoff_s = _check_pos("backoff_s", backoff_s, allow_zero=True)
-        self.max_backoff_s = _check_pos("max_backoff_s", max_backoff_s, allow_zero=True)
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
-        self.max_concurrency = max_concurrency
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.options = options
+        self.timeout_s = options.timeout_s
+        self.max_retries = options.max_retries
+        self.backoff_s = options.backoff_s
+        self.max_backoff_s = options.max_backoff_s
+        self.max_concurrency = options.max_concurrency
+        self._headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         self._client: httpx.AsyncClient | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -127,3 +139,19 @@ class HTTPJsonClient:
         client, self._client, self._sem, self._loop = self._client, None, None, None
         if client is not None:
             await client.aclose()
+
+
+class HTTPScorer(BaseScorer):
+    """Base of the scorers that call a server (``LLMJudgeScorer``, ``PRMModelScorer``): takes
+    ``base_url`` and the :class:`HTTPOptions` fields as keyword arguments, owns the
+    :class:`HTTPJsonClient` (``self.http``) and closes it in ``aclose``."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 30.0, max_retries: int = 2,
+                 backoff_s: float = 0.5, max_concurrency: int = 16, **kwargs: Any) -> None:
+        options = HTTPOptions(api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
+                              max_concurrency=max_concurrency)
+        self.http = HTTPJsonClient(base_url, options)
+        super().__init__(**kwargs)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

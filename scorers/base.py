@@ -238,6 +238,14 @@ class BaseScorer:
             return None
         return self.prepare_result(interaction, result, ctx)
 
+    @classmethod
+    def reward_range(cls, **kwargs: Any) -> tuple[float, float] | None:
+        """The range of the *unweighted* reward this scorer returns when built with ``kwargs``, or
+        ``None`` if it is not known in advance (the default). Lets a config be checked at load time
+        (``process_weighted`` needs the weighted sum in [0, 1])."""
+        del kwargs
+        return None
+
     async def aclose(self) -> None:
         """Release resources owned by the scorer (default: nothing). Bound any I/O in here."""
 

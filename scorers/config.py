@@ -18,21 +18,27 @@ the combination with the trainer's rollout/actor settings; bad values fail with 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from jaxprm.learner.modes import SHAPING_MODES
+from scorers.base import BaseScorer
 
 __all__ = [
     "SHAPING_MODES",
     "AdvantageShapingConfig",
     "PRMConfig",
     "ScorerSpec",
+    "SPEC_KEYS",
+    "check_scorer_specs",
+    "resolve_scorer_class",
     "validate_prm_config",
 ]
 
-#: Advantage-shaping modes the learner implements (see DESIGN.md, "Process rewards").
-SHAPING_MODES = ("additive", "gvpo", "process_weighted")
 
 
 def _check_keys(where: str, data: Mapping[str, Any], allowed: Sequence[str]) -> None:
@@ -194,6 +200,18 @@ def as_prm_config(config: PRMConfig | Mapping[str, Any] | None) -> PRMConfig:
     raise TypeError(f"prm config must be a PRMConfig or a mapping, got {type(config).__name__}")
 
 
+#: The spec's names of the settings ``validate_prm_config`` checks; callers with other names (the
+#: trainer's YAML keys) pass their own through ``keys`` so that every error names the key to change.
+SPEC_KEYS = {
+    "export_style": "rollout export_style",
+    "chat_template_type": "rollout chat_template_type",
+    "token_backed": "token_backed",
+    "token_rewards_as_adv": "actor.token_rewards_as_adv",
+    "mask_no_eos_with_zero": "actor.mask_no_eos_with_zero",
+    "scorers": "prm.scorers",
+}
+
+
 def validate_prm_config(
     prm: PRMConfig | Mapping[str, Any] | None,
     *,
@@ -203,10 +221,13 @@ def validate_prm_config(
     mask_no_eos_with_zero: bool = False,
     external_string_backend: bool = False,
     chat_template_type: str | None = None,
+    keys: Mapping[str, str] | None = None,
+    resolve: bool = False,
 ) -> PRMConfig:
     """Check the process-reward settings against the trainer's rollout/actor settings.
 
-    Rules (each failure is a ``ValueError`` naming the offending key and the allowed values):
+    Rules (each failure is a ``ValueError`` naming the offending key and the allowed values; the key
+    names are ``SPEC_KEYS`` updated with ``keys``):
 
     - The shaping numbers are finite and ``>= 0`` and the mode is one of ``SHAPING_MODES``
       (always checked, enforced by ``AdvantageShapingConfig``).
@@ -214,30 +235,39 @@ def validate_prm_config(
       nothing else is required.
     - Active scorers require ``export_style == "concat"`` (and, when given,
       ``chat_template_type == "concat"``), token-backed interactions (``token_backed``), and direct
-      process advantages (``actor.token_rewards_as_adv: true``; folding dense rewards into GAE is
+      process advantages (``token_rewards_as_adv: true``; folding dense rewards into GAE is
       not specified), and are refused with an external string-only generation backend
       (``external_string_backend``: responses without token ids).
-    - Active scorers with ``mode: process_weighted`` refuse ``actor.mask_no_eos_with_zero: true``.
+    - Active scorers with ``mode: process_weighted`` refuse ``mask_no_eos_with_zero: true``, and their
+      weighted sum must stay in [0, 1] where every enabled scorer declares its output range
+      (:meth:`BaseScorer.reward_range`).
+    - With ``resolve``, every scorer entry (enabled or not) is checked as :func:`check_scorer_specs`
+      does: the class imports, its keyword arguments bind, names are unique.
 
     Returns the normalized ``PRMConfig``.
     """
+    k = {**SPEC_KEYS, **(keys or {})}
     cfg = as_prm_config(prm)
+    specs: list[tuple[ScorerSpec, type[BaseScorer]]] = []
+    if resolve:
+        specs = check_scorer_specs(cfg.scorers, where=k["scorers"])
     if not cfg.active:
         return cfg
     if export_style != "concat":
         raise ValueError(
-            f"rollout export_style={export_style!r} is not supported with active PRM scorers; allowed: 'concat' "
+            f"{k['export_style']}={export_style!r} is not supported with active PRM scorers; allowed: 'concat' "
             "(or set prm.enabled: false / an empty prm.scorers list)"
         )
     if chat_template_type is not None and chat_template_type != "concat":
         raise ValueError(
-            f"rollout chat_template_type={chat_template_type!r} is not supported with active PRM scorers; "
+            f"{k['chat_template_type']}={chat_template_type!r} is not supported with active PRM scorers; "
             "allowed: 'concat'"
         )
     if not token_backed:
         raise ValueError(
-            "active PRM scorers need token-backed interactions (model responses with token ids and logprobs); "
-            "got token_backed=False"
+            f"{k['token_backed']}=false: active PRM scorers need token-backed interactions (model responses "
+            "with token ids and logprobs); a string-only backend is rejected (set prm.enabled: false or use a "
+            "token-backed server)"
         )
     if external_string_backend:
         raise ValueError(
@@ -246,12 +276,106 @@ def validate_prm_config(
         )
     if token_rewards_as_adv is not True:
         raise ValueError(
-            f"actor.token_rewards_as_adv={token_rewards_as_adv!r}: active PRM scorers need direct process "
-            "advantages; allowed: true"
+            f"{k['token_rewards_as_adv']}={token_rewards_as_adv!r}: active PRM scorers need direct process "
+            "advantages; allowed: true (folded mode is rejected)"
         )
-    if cfg.advantage_shaping.mode == "process_weighted" and mask_no_eos_with_zero:
-        raise ValueError(
-            "actor.mask_no_eos_with_zero=true is not allowed with prm.advantage_shaping.mode='process_weighted'; "
-            "allowed: false (or choose mode 'additive' / 'gvpo')"
-        )
+    if cfg.advantage_shaping.mode == "process_weighted":
+        if mask_no_eos_with_zero:
+            raise ValueError(
+                f"{k['mask_no_eos_with_zero']}=true is not allowed with prm.advantage_shaping.mode="
+                "'process_weighted'; allowed: false (or choose mode 'additive' / 'gvpo')"
+            )
+        if specs:
+            _check_weighted_range(specs, where=k["scorers"])
     return cfg
+
+
+def check_scorer_specs(specs: Sequence[ScorerSpec], *, where: str = "prm.scorers") -> list[tuple[ScorerSpec, type[BaseScorer]]]:
+    """Resolve every entry's class and check, without building anything, that its ``kwargs`` bind to
+    the constructor and that scorer names are unique. Errors name the entry (``where[i]``)."""
+    out = []
+    names: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        here = f"{where}[{i}]"
+        try:
+            cls = resolve_scorer_class(spec.path, where=f"{here}.path")
+        except (ImportError, TypeError, ValueError) as err:
+            raise ValueError(str(err)) from None
+        _check_kwargs(cls, dict(spec.kwargs), where=f"{here}.kwargs")
+        if cls.name in names:
+            raise ValueError(
+                f"{here}: scorer name {cls.name!r} is already used by {where}[{names[cls.name]}]; "
+                "names must be unique (they name the metrics)"
+            )
+        names[cls.name] = i
+        out.append((spec, cls))
+    return out
+
+
+def _check_kwargs(cls: type[BaseScorer], kwargs: Mapping[str, Any], *, where: str) -> None:
+    """Check ``kwargs`` against the constructors of ``cls`` and of the bases its ``**kwargs`` reach
+    (up to ``BaseScorer``, which refuses leftovers): no unknown name, no missing required one."""
+    names: set[str] = set()
+    required: set[str] | None = None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        if required is None:
+            required = {p.name for p in params if p.kind in kinds and p.default is p.empty}
+        names |= {p.name for p in params if p.kind in kinds}
+        if klass is BaseScorer or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    names -= {"weight", "enabled"}  # set by the entry itself, not by kwargs
+    unknown = sorted(set(kwargs) - names)
+    missing = sorted((required or set()) - set(kwargs))
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no argument(s) {unknown}; it accepts {sorted(names)}")
+    if missing:
+        raise ValueError(f"{where}: {cls.__name__} needs {missing}")
+
+
+def _check_weighted_range(specs: Sequence[tuple[ScorerSpec, type[BaseScorer]]], *, where: str) -> None:
+    lo = hi = 0.0
+    for spec, cls in specs:
+        if not spec.enabled:
+            continue
+        rng = cls.reward_range(**dict(spec.kwargs))
+        if rng is None:
+            return  # not knowable at load time; the runner's check at scoring time applies
+        a, b = spec.weight * rng[0], spec.weight * rng[1]
+        lo, hi = lo + min(a, b), hi + max(a, b)
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(
+            f"{where}: prm.advantage_shaping.mode='process_weighted' needs process rewards in [0, 1], but the "
+            f"weighted sum of the enabled scorers' declared ranges can reach [{lo:g}, {hi:g}]; change the "
+            "weights or the scorers (or choose mode 'additive' / 'gvpo')"
+        )
+
+
+def resolve_scorer_class(path: str, *, where: str = "scorer path") -> type[BaseScorer]:
+    """Import ``package.module.Class`` (or ``package.module:Class``) and check it is a scorer."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{where} must be a non-empty dotted import path, got {path!r}")
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{where}={path!r} must look like package.module.Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        err.add_note(f"while resolving {where}={path!r}")
+        raise
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, type) or not issubclass(obj, BaseScorer):
+        raise TypeError(f"{where}={path!r} resolved to {obj!r}, which is not a BaseScorer subclass")
+    return obj

@@ -97,6 +97,10 @@ class FrozenLakeProgressScorer(BaseScorer):
 
     name = "frozenlake_progress"
 
+    @classmethod
+    def reward_range(cls, mode: str = "level", **kwargs: Any) -> tuple[float, float]:
+        return (0.0, 1.0) if mode == "level" else (-1.0, 1.0)
+
     def __init__(
         self, reward_weight: float = 0.5, max_reward: float = 1.0, hole_score: float = 0.0,
         mode: str = "level", **kwargs: Any

@@ -21,6 +21,10 @@ class LengthBudgetScorer(BaseScorer):
 
     name = "length_budget"
 
+    @classmethod
+    def reward_range(cls, **kwargs: Any) -> tuple[float, float]:
+        return (0.0, 1.0)
+
     def __init__(self, max_output_tokens: int, **kwargs: Any) -> None:
         if isinstance(max_output_tokens, bool) or not isinstance(max_output_tokens, int) or max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be an int >= 1, got {max_output_tokens!r}")

@@ -42,9 +42,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout.types import Interaction
-from scorers._http import HTTPJsonClient
+from scorers._http import HTTPScorer
 from scorers._trajectory import Step, split_steps, turn_conversation
-from scorers.base import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scorers.base import PRMMetricObservation, PRMScorerResult
 
 __all__ = ["LLMJudgeScorer", "PHASES", "detect_phase", "heuristic_score", "parse_judge_score"]
 
@@ -283,7 +283,7 @@ def _chat_content(data: Any) -> str:
     return data["choices"][0]["message"]["content"]
 
 
-class LLMJudgeScorer(BaseScorer):
+class LLMJudgeScorer(HTTPScorer):
     """LLM-as-judge process score in [0, 1] (see the module docstring).
 
     Kwargs: ``base_url`` and ``model`` (required), ``api_key``, ``judge_weight`` (lambda in [0, 1],
@@ -291,17 +291,20 @@ class LLMJudgeScorer(BaseScorer):
     ``phase_window`` (default 3), ``max_chars`` (per action/observation, default 1500),
     ``temperature`` (0.0), ``max_tokens`` (64), ``json_mode`` (send ``response_format`` json_object,
     default False), ``timeout_s`` (30), ``max_retries`` (2), ``backoff_s`` (0.5),
-    ``max_concurrency`` (16).
+    ``max_concurrency`` (16) (the HTTP options: ``scorers._http.HTTPOptions``).
     """
 
     name = "llm_judge"
+
+    @classmethod
+    def reward_range(cls, **kwargs: Any) -> tuple[float, float]:
+        return (0.0, 1.0)  # a blend of a judge score and a heuristic, both in [0, 1]
 
     def __init__(
         self,
         base_url: str,
         model: str,
         *,
-        api_key: str | None = None,
         judge_weight: float = 0.7,
         recent_steps: int = 8,
         phase_window: int = 3,
@@ -309,10 +312,6 @@ class LLMJudgeScorer(BaseScorer):
         temperature: float = 0.0,
         max_tokens: int = 64,
         json_mode: bool = False,
-        timeout_s: float = 30.0,
-        max_retries: int = 2,
-        backoff_s: float = 0.5,
-        max_concurrency: int = 16,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, str) or not model:
@@ -322,15 +321,7 @@ class LLMJudgeScorer(BaseScorer):
         for key, v in (("recent_steps", recent_steps), ("phase_window", phase_window), ("max_chars", max_chars), ("max_tokens", max_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {v!r}")
-        self._http = HTTPJsonClient(
-            base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-            max_concurrency=max_concurrency,
-        )
-        super().__init__(**kwargs)
+        super().__init__(base_url, **kwargs)
         self.model = model
         self.judge_weight = float(judge_weight)
         self.recent_steps = recent_steps
@@ -363,7 +354,7 @@ class LLMJudgeScorer(BaseScorer):
         phase, payload, steps = self.build_request(interaction, ctx)
         heur = heuristic_score(steps, recent_steps=self.recent_steps)
         if self.judge_weight > 0:
-            judge = await self._http.post_json(
+            judge = await self.http.post_json(
                 "/v1/chat/completions", payload, lambda data: parse_judge_score(_chat_content(data))
             )
         else:
@@ -383,6 +374,3 @@ class LLMJudgeScorer(BaseScorer):
         ]
         obs += [PRMMetricObservation(f"phase_{p}", "turn", iid, p == phase, "boolean", ("rate",)) for p in PHASES]
         return PRMScorerResult(reward=blended, observations=tuple(obs))
-
-    async def aclose(self) -> None:
-        await self._http.aclose()

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from rollout.types import Interaction
-from scorers._http import HTTPJsonClient
+from scorers._http import HTTPScorer
 from scorers._trajectory import Step, branch_prefix, split_steps, turn_conversation, with_step_rewards
-from scorers.base import BaseScorer, PRMMetricObservation, PRMScorerResult
+from scorers.base import PRMMetricObservation, PRMScorerResult
 
 __all__ = ["AGGREGATIONS", "PRMModelScorer", "aggregate_step_scores", "load_tokenizer"]
 
@@ -81,7 +81,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-class PRMModelScorer(BaseScorer):
+class PRMModelScorer(HTTPScorer):
     """Process score from a served PRM (see the module docstring).
 
     Kwargs: ``base_url``, ``model``, ``tokenizer`` (object with ``encode`` or a tokenizer.json path)
@@ -89,10 +89,15 @@ class PRMModelScorer(BaseScorer):
     ``max_task_tokens`` (default half of ``max_input_tokens``), ``aggregation`` (``last``),
     ``last_weight`` (0.5), ``apply_sigmoid`` (True), ``label_index`` (-1), ``endpoint``
     (``/pooling``), ``task_template``, ``step_template``, ``include_step_rewards`` (True),
-    ``api_key``, ``timeout_s`` (30), ``max_retries`` (2), ``backoff_s`` (0.5), ``max_concurrency`` (16).
+    and the HTTP options ``api_key``, ``timeout_s`` (30), ``max_retries`` (2), ``backoff_s`` (0.5),
+    ``max_concurrency`` (16) (``scorers._http.HTTPOptions``).
     """
 
     name = "prm_model"
+
+    @classmethod
+    def reward_range(cls, apply_sigmoid: bool = True, **kwargs: Any) -> tuple[float, float] | None:
+        return (0.0, 1.0) if apply_sigmoid else None  # raw server values have no known range
 
     def __init__(
         self,
@@ -112,11 +117,6 @@ class PRMModelScorer(BaseScorer):
         task_template: str = "{task}\n",
         step_template: str = "{action}\n{observation}{reward}",
         include_step_rewards: bool = True,
-        api_key: str | None = None,
-        timeout_s: float = 30.0,
-        max_retries: int = 2,
-        backoff_s: float = 0.5,
-        max_concurrency: int = 16,
         **kwargs: Any,
     ) -> None:
         if not isinstance(model, str) or not model:
@@ -145,11 +145,7 @@ class PRMModelScorer(BaseScorer):
             except (KeyError, IndexError, ValueError, AttributeError) as err:
                 raise ValueError(f"{key}={tpl!r} is not a valid template with fields {sorted(fields)}: {err}") from None
         self.tokenizer = load_tokenizer(tokenizer)
-        self._http = HTTPJsonClient(
-            base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
-            backoff_s=backoff_s, max_concurrency=max_concurrency,
-        )
-        super().__init__(**kwargs)
+        super().__init__(base_url, **kwargs)
         self.model = model
         self.step_separator_id = step_separator_id
         self.recent_steps = recent_steps
@@ -219,7 +215,7 @@ class PRMModelScorer(BaseScorer):
     async def _score(self, interaction: Interaction, ctx: Mapping[str, Any]) -> tuple[float, int, bool]:
         ids, n_steps, truncated = self.serialize(interaction, ctx)
         payload = {"model": self.model, "input": ids}
-        scores = await self._http.post_json(self.endpoint, payload, lambda data: self.step_scores(ids, data))
+        scores = await self.http.post_json(self.endpoint, payload, lambda data: self.step_scores(ids, data))
         value = aggregate_step_scores(scores, self.aggregation, last_weight=self.last_weight)
         if not math.isfinite(value):
             raise ValueError(f"PRM score is not finite: {value}")
@@ -237,6 +233,3 @@ class PRMModelScorer(BaseScorer):
                 PRMMetricObservation("input_truncated", "turn", interaction.id, truncated, "boolean", ("rate",)),
             ),
         )
-
-    async def aclose(self) -> None:
-        await self._http.aclose()

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import logging
-import math
-import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,153 +32,14 @@ import numpy as np
 
 from rollout.types import Interaction, InteractionTree, branch_messages
 from scorers._isolation import BranchSnapshot
-from scorers.base import (
-    BaseScorer,
-    BaseTrajectoryScorer,
-    PRMMetricObservation,
-    PRMScorerResult,
-    PRMTurnResult,
-    ScoringRejected,
-)
-from scorers.config import PRMConfig, as_prm_config
+from scorers.base import BaseScorer, PRMMetricObservation, PRMTurnResult, ScoringRejected
+from scorers.branch import describe, evaluate_branch, order_interactions, reject_failures, turn_rewards
+from scorers.config import PRMConfig, as_prm_config, resolve_scorer_class
 from scorers.metrics import MetricsAccumulator, namespace_for
 
-__all__ = [
-    "PRMRunner",
-    "RunResult",
-    "SessionScores",
-    "order_interactions",
-    "resolve_scorer_class",
-    "score_branch",
-    "to_token_rewards",
-]
+__all__ = ["PRMRunner", "RunResult", "SessionScores"]
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def resolve_scorer_class(path: str, *, where: str = "scorer path") -> type[BaseScorer]:
-    """Import ``package.module.Class`` (or ``package.module:Class``) and check it is a scorer."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{where} must be a non-empty dotted import path, got {path!r}")
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{where}={path!r} must look like package.module.Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        err.add_note(f"while resolving {where}={path!r}")
-        raise
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not isinstance(obj, type) or not issubclass(obj, BaseScorer):
-        raise TypeError(f"{where}={path!r} resolved to {obj!r}, which is not a BaseScorer subclass")
-    return obj
-
-
-def order_interactions(interactions: Iterable[Interaction]) -> list[Interaction]:
-    """Stable parent-before-child order; checks ids are unique strings and turns are token-backed.
-
-    Turns whose parent is not among ``interactions`` count as roots. Raises ``ValueError`` for a
-    duplicate id, a missing model response (not token-backed) or a parent cycle, and
-    ``ScoringRejected`` for a turn without output tokens (nothing to attach a reward to).
-    """
-    items = list(interactions)
-    by_id: dict[str, Interaction] = {}
-    for it in items:
-        if not isinstance(it, Interaction):
-            raise TypeError(f"expected rollout.types.Interaction, got {type(it).__name__}")
-        if not isinstance(it.id, str) or not it.id:
-            raise ValueError(f"interaction id must be a non-empty string, got {it.id!r}")
-        if it.id in by_id:
-            raise ValueError(f"duplicate interaction id {it.id!r}")
-        if it.model_response is None:
-            raise ValueError(
-                f"interaction {it.id!r} has no model_response: process rewards need token-backed interactions"
-            )
-        by_id[it.id] = it
-    for it in items:
-        if it.output_len <= 0:
-            raise ScoringRejected(
-                f"interaction {it.id!r} has no output tokens to attach a process reward to",
-                interaction_ids=[it.id],
-            )
-    ordered: list[Interaction] = []
-    placed: set[str] = set()
-    remaining = items
-    while remaining:
-        progressed = False
-        rest = []
-        for it in remaining:
-            if it.parent_id is None or it.parent_id not in by_id or it.parent_id in placed:
-                ordered.append(it)
-                placed.add(it.id)
-                progressed = True
-            else:
-                rest.append(it)
-        if not progressed:
-            raise ValueError(f"interaction parent links contain a cycle among {[it.id for it in rest]}")
-        remaining = rest
-    return ordered
-
-
-def to_token_rewards(reward: Any, output_len: int) -> np.ndarray:
-    """A raw scorer reward as ``float64 [output_len]``: scalars broadcast, arrays must match.
-
-    Booleans are refused (return ``1.0`` / ``0.0``) so that a misplaced flag is not taken as a score.
-    """
-    if isinstance(reward, (bool, np.bool_)):
-        raise TypeError(f"reward must be a real number or an array, got bool {reward!r} (return 1.0 / 0.0)")
-    if isinstance(reward, numbers.Real):
-        return np.full((output_len,), float(reward), dtype=np.float64)
-    if reward is None or isinstance(reward, (str, bytes, Mapping)):
-        raise TypeError(f"reward must be a real number or an array, got {type(reward).__name__}")
-    try:
-        arr = np.asarray(reward, dtype=np.float64)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"reward must be a real number or an array, got {type(reward).__name__}: {err}") from None
-    if arr.ndim == 0:
-        return np.full((output_len,), float(arr), dtype=np.float64)
-    if arr.shape != (output_len,):
-        raise ValueError(f"dense reward has shape {arr.shape}, expected ({output_len},) (one per output token)")
-    return arr.copy()
-
-
-class _Failure:
-    __slots__ = ("reason", "exc")
-
-    def __init__(self, reason: str, exc: BaseException | None = None) -> None:
-        self.reason = reason
-        self.exc = exc
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _reject_failures(scorer: BaseScorer, ordered: Sequence[Interaction], results: Sequence[Any]) -> None:
-    failed = [(it.id, r) for it, r in zip(ordered, results) if isinstance(r, _Failure)]
-    if not failed:
-        return
-    details = "; ".join(f"{iid}: {f.reason}" for iid, f in failed[:5])
-    more = f" (+{len(failed) - 5} more)" if len(failed) > 5 else ""
-    cause = next((f.exc for _, f in failed if f.exc is not None), None)
-    raise ScoringRejected(
-        f"scorer {scorer.name!r} could not score {len(failed)}/{len(results)} turns: {details}{more}",
-        scorer=scorer.name,
-        interaction_ids=[iid for iid, _ in failed],
-    ) from cause
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +198,7 @@ class PRMRunner:
     async def _rollback(self, err: BaseException) -> None:
         for scorer, cleanup_err in await self._close_owned():
             logger.error("closing scorer %r after a startup failure failed", scorer.name, exc_info=cleanup_err)
-            err.add_note(f"cleanup of scorer {scorer.name!r} after the startup failure also failed: {_describe(cleanup_err)}")
+            err.add_note(f"cleanup of scorer {scorer.name!r} after the startup failure also failed: {describe(cleanup_err)}")
         self._closing = True
         self._close_started = True
         self._close_done.set()
@@ -449,11 +307,8 @@ class PRMRunner:
             for scorer in self._scorers:
                 if not scorer.enabled:
                     continue
-                if isinstance(scorer, BaseTrajectoryScorer):
-                    results = await self._score_trajectory(scorer, ordered, snapshot, base_ctx)
-                else:
-                    results = await self._score_turns(scorer, ordered, snapshot, base_ctx)
-                _reject_failures(scorer, ordered, results)
+                results = await evaluate_branch(scorer, ordered, snapshot, base_ctx)
+                reject_failures(scorer, ordered, results)
                 turn_results = self._validate_and_commit(scorer, ordered, results, pending)
                 committed.extend(turn_results)
                 totals[scorer.name] = float(sum(r.reward for r in turn_results))
@@ -463,73 +318,6 @@ class PRMRunner:
             it.token_rewards = pending[it.id]
             out[it.id] = pending[it.id].copy()
         return RunResult(out, tuple(committed), totals)
-
-    async def _score_turns(
-        self,
-        scorer: BaseScorer,
-        ordered: Sequence[Interaction],
-        snapshot: BranchSnapshot,
-        base_ctx: Mapping[str, Any],
-    ) -> list[Any]:
-        async def one(index: int) -> Any:
-            try:
-                interaction, call_ctx = snapshot.turn_inputs(index, base_ctx)
-                result = await scorer.evaluate_result(interaction, call_ctx)
-            except Exception as err:
-                return _Failure(_describe(err), err)
-            if result is None:
-                return _Failure("returned None")
-            return result
-
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(i)) for i in range(len(ordered))]
-        return [_Failure("scoring call was cancelled") if t.cancelled() else t.result() for t in tasks]
-
-    async def _score_trajectory(
-        self,
-        scorer: BaseTrajectoryScorer,
-        ordered: Sequence[Interaction],
-        snapshot: BranchSnapshot,
-        base_ctx: Mapping[str, Any],
-    ) -> list[Any]:
-        clones, call_ctx = snapshot.trajectory_inputs(base_ctx)
-        ids = [it.id for it in clones]
-        try:
-            mapping = await scorer.evaluate_trajectory(clones, call_ctx)
-        except Exception as err:
-            raise ScoringRejected(
-                f"trajectory scorer {scorer.name!r} raised {_describe(err)}", scorer=scorer.name, interaction_ids=ids
-            ) from err
-        if mapping is None:
-            raise ScoringRejected(
-                f"trajectory scorer {scorer.name!r} returned None for the whole trajectory",
-                scorer=scorer.name,
-                interaction_ids=ids,
-            )
-        if not isinstance(mapping, Mapping):
-            raise ScoringRejected(
-                f"trajectory scorer {scorer.name!r} must return a mapping {{interaction_id: reward}}, "
-                f"got {type(mapping).__name__}",
-                scorer=scorer.name,
-            )
-        known = set(ids)
-        unknown = [k for k in mapping if k not in known]
-        if unknown:
-            raise ScoringRejected(
-                f"trajectory scorer {scorer.name!r} returned unknown interaction ids {sorted(map(str, unknown))}",
-                scorer=scorer.name,
-            )
-        results: list[Any] = []
-        for it in clones:
-            raw = mapping.get(it.id, 0.0)
-            if raw is None:
-                results.append(_Failure("returned None"))
-                continue
-            try:
-                results.append(scorer.prepare_result(it, raw, call_ctx))
-            except Exception as err:
-                results.append(_Failure(_describe(err), err))
-        return results
 
     def _validate_and_commit(
         self,
@@ -546,13 +334,7 @@ class PRMRunner:
         registered = self._schemas.get(name, {})
         for it, result in zip(ordered, results, strict=True):
             try:
-                if not isinstance(result, PRMScorerResult):
-                    raise TypeError(
-                        f"evaluate_result/prepare_result must give a PRMScorerResult or None, got {type(result).__name__}"
-                    )
-                raw = to_token_rewards(result.reward, it.output_len)
-                if not np.isfinite(raw).all():
-                    raise ValueError("reward has non-finite values")
+                raw = turn_rewards(result, it.output_len)
                 with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked below
                     contribution = raw * scorer.weight
                     contribution32 = contribution.astype(np.float32)
@@ -647,42 +429,3 @@ class PRMRunner:
         owned = {id(s) for s in self._owned}
         parts = [f"{s.name}{'' if id(s) in owned else '(borrowed)'}{'' if s.enabled else '(disabled)'}" for s in self._scorers]
         return f"PRMRunner([{', '.join(parts)}], closing={self._closing})"
-
-
-async def score_branch(
-    scorer: BaseScorer,
-    branch: Sequence[Interaction],
-    *,
-    messages: Sequence[Mapping[str, Any]] | None = None,
-    ctx: Mapping[str, Any] | None = None,
-) -> float:
-    """One scalar score for a (partial) branch, e.g. for PaTR expansion and pruning.
-
-    Calls ``scorer.evaluate(branch[-1], ctx)`` on private copies with ``ctx["messages"]`` (default:
-    the branch conversation) and ``ctx["branch"]``. A dense result is averaged over its tokens. The
-    built-in scorers return values in [0, 1]. ``None``, an exception or a non-finite value raise
-    ``ScoringRejected``; cancellation propagates. Trajectory scorers are not supported here.
-    """
-    if not branch:
-        raise ValueError("branch must hold at least one interaction")
-    if isinstance(scorer, BaseTrajectoryScorer):
-        raise TypeError(f"{type(scorer).__name__} is a trajectory scorer; score_branch needs a per-turn scorer")
-    base_ctx = dict(ctx or {})
-    msgs = list(messages) if messages is not None else branch_messages(branch[-1:])
-    snapshot = BranchSnapshot(list(branch), msgs)
-    interaction, call_ctx = snapshot.turn_inputs(len(branch) - 1, base_ctx)
-    try:
-        raw = await scorer.evaluate(interaction, call_ctx)
-    except Exception as err:
-        raise ScoringRejected(f"scorer {scorer.name!r} raised {_describe(err)}", scorer=scorer.name) from err
-    if raw is None:
-        raise ScoringRejected(f"scorer {scorer.name!r} returned None", scorer=scorer.name)
-    try:
-        if isinstance(raw, (bool, np.bool_)):
-            raise TypeError("got a bool (return 1.0 / 0.0)")
-        value = float(np.mean(np.asarray(raw, dtype=np.float64)))
-    except (TypeError, ValueError) as err:
-        raise ScoringRejected(f"scorer {scorer.name!r} gave an invalid score: {err}", scorer=scorer.name) from err
-    if not math.isfinite(value):
-        raise ScoringRejected(f"scorer {scorer.name!r} gave a non-finite score {value}", scorer=scorer.name)
-    return value

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_2d_same, check_choice, check_float, check_rank
+from jaxprm.learner.modes import GAE_METHODS
 
 __all__ = ["gae", "GAE_METHODS"]
 
-GAE_METHODS = ("scan", "associative", "cumsum")
 
 
 def gae(

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_2d_same, check_choice, check_float
+from jaxprm.learner.modes import LOSS_AGGREGATIONS
 
 __all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS"]
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 class PolicyLossTerms(NamedTuple):

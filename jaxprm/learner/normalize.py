@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_choice, check_float, check_rank, check_same_shape
+from jaxprm.learner.modes import NORM_LEVELS
 
 __all__ = ["normalize", "group_normalize_rewards", "masked_sum_count", "NORM_LEVELS"]
 
-NORM_LEVELS = ("batch", "group", None)
 
 
 def masked_sum_count(x: jax.Array, mask: jax.Array, axis=None) -> tuple[jax.Array, jax.Array]:

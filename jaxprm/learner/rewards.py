@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float, check_rank
+from jaxprm.learner.modes import KL_ESTIMATORS
 
 __all__ = [
     "shift_to_prediction",
@@ -21,7 +22,6 @@ __all__ = [
     "check_uniform_turn_rewards",
 ]
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CLAMP = 10.0
 
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float
+from jaxprm.learner.modes import SHAPING_MODES
 
 __all__ = ["shape_advantages", "validate_process_rewards", "SHAPING_MODES"]
 
-SHAPING_MODES = ("additive", "gvpo", "process_weighted")
 
 
 def validate_process_rewards(process_rewards: jax.Array, mask: jax.Array, *, mode: str) -> jax.Array:

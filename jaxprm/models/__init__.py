@@ -6,7 +6,7 @@ Public API:
 * ``Transformer(config, *, rngs)`` -- ``logits, cache = model(tokens, positions, cache=None)``;
   also ``model.hidden_states(...)`` and ``model.logits(hidden)``.
 * ``KVCache`` -- ``k, v [L, B, S, K, hd]``; ``KVCache.init(config, batch_size, max_len)``.
-* ``logprobs_of``, ``shift_targets``, ``token_logprobs``, ``entropy_of`` -- float32 learner helpers.
+* ``next_token_logprobs`` (the learner's one log-prob function), ``logprobs_of``, ``shift_targets``, ``token_logprobs``, ``entropy_of`` -- float32 learner helpers.
 * ``Tokenizer`` -- ``tokenizers`` + jinja2 chat template.
 * ``load_model(name_or_path, *, dtype=None)`` -> ``(model, tokenizer)``: presets ``"tiny"``,
   ``"smollm2-135m"``, a Hugging Face directory, or a ``.gguf`` file.
@@ -17,7 +17,7 @@ from jaxprm.models.config import ModelConfig
 from jaxprm.models.hf_io import load_hf_dir, load_hf_model, save_pretrained
 from jaxprm.models.gguf_io import load_gguf
 from jaxprm.models.loading import PRESETS, load_model, smollm2_gguf_path
-from jaxprm.models.logprobs import entropy_of, logprobs_of, shift_targets, token_logprobs
+from jaxprm.models.logprobs import entropy_of, logprobs_of, next_token_logprobs, shift_targets, token_logprobs
 from jaxprm.models.params import build_model, model_params
 from jaxprm.models.tiny import build_tiny_tokenizer, tiny_config
 from jaxprm.models.tokenizer import Tokenizer
@@ -36,6 +36,7 @@ __all__ = [
     "build_model",
     "model_params",
     "logprobs_of",
+    "next_token_logprobs",
     "shift_targets",
     "token_logprobs",
     "entropy_of",

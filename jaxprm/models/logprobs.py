@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxprm.models.transformer import KVCache, Transformer
 
-__all__ = ["logprobs_of", "shift_targets", "token_logprobs", "entropy_of"]
+__all__ = ["next_token_logprobs", "logprobs_of", "shift_targets", "token_logprobs", "entropy_of"]
 
 
 def logprobs_of(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -24,6 +24,17 @@ def logprobs_of(logits: jax.Array, targets: jax.Array) -> jax.Array:
         raise ValueError(f"logits {logits.shape} must be [B, T, V] and targets {targets.shape} [B, T]")
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+
+
+def next_token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The learner's per-token log-probs: ``out[b, t] = log_softmax(logits[b, t])[tokens[b, t + 1]]``
+    in float32, 0 in the last column (prediction positions).
+
+    Shapes: logits ``[B, T, V]`` (any float dtype, upcast), tokens int ``[B, T]`` -> ``[B, T]``. The
+    one function every learner path (PPO step, warm start, reference policy) uses.
+    """
+    lp = logprobs_of(logits[:, :-1], tokens[:, 1:])
+    return jnp.pad(lp, ((0, 0), (0, 1)))
 
 
 def shift_targets(tokens: jax.Array, fill: int = 0) -> jax.Array:
@@ -46,5 +57,4 @@ def token_logprobs(
     entries whose next token is padding are garbage the caller masks out.
     """
     logits, _ = model(tokens, positions, cache)
-    lp = logprobs_of(logits, shift_targets(tokens))
-    return lp.at[:, -1].set(0.0)
+    return next_token_logprobs(logits, tokens)

@@ -1,9 +1,11 @@
-"""Typed trainer configuration: dataclasses, YAML loading, dotted overrides and validation.
+"""Typed trainer configuration: the YAML schema (dataclasses), loading, overrides and validation.
 
-``load_config(path, overrides)`` builds a :class:`TrainConfig` from the embedded defaults, then a
-YAML file (optional), then ``key.sub=value`` overrides whose values are parsed as YAML scalars.
-Every problem is reported at load time as a :class:`ConfigError` naming the dotted key and the
-allowed values; an unknown key is treated as a typo and answered with a "did you mean" suggestion.
+``load_config(path, overrides)`` merges the embedded defaults, a YAML file (optional) and
+``key.sub=value`` overrides (values parsed as YAML) with OmegaConf structured configs, then
+:func:`validate` checks ranges and cross-field rules. Every problem is a :class:`ConfigError` naming
+the dotted key and the allowed values; an unknown key is answered with a "did you mean". The
+process-reward rules are the scorers' own (``scorers.validate_prm_config``), called with the
+trainer's key names; scorer classes are resolved and their kwargs checked at load time.
 """
 
 from __future__ import annotations
@@ -13,17 +15,26 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from jaxprm.learner.modes import KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
+from rollout.client import DIALECTS
+from rollout.tree import GROUP_MODES, STRATEGIES
+from scorers import check_scorer_specs, validate_prm_config
 
 __all__ = [
     "ConfigError",
     "ModelConfig",
     "ServerConfig",
+    "BranchScorerSpec",
     "RolloutConfig",
     "EnvConfig",
     "ScorerSpec",
@@ -39,8 +50,6 @@ __all__ = [
     "DistributedConfig",
     "TrainConfig",
     "load_config",
-    "apply_overrides",
-    "from_dict",
     "to_dict",
     "dump_yaml",
     "config_hash",
@@ -74,7 +83,7 @@ class ServerConfig:
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = dataclasses.field(default_factory=list)
-    dialect: Literal["vllm", "sglang"] = "vllm"
+    dialect: Literal[DIALECTS] = "vllm"
     model_name: str | None = None
     api_key: str | None = None
     token_backed: bool = True
@@ -87,10 +96,20 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
+class BranchScorerSpec:
+    """PaTR's branch scorer: a ``scorers.BaseScorer`` class path and its constructor kwargs (the form of
+    a ``prm.scorers`` entry). Its reward for a partial branch's last turn must lie in [0, 1]; e.g.
+    ``scorers.LLMJudgeScorer`` (PaTR-Judge) or ``scorers.PRMModelScorer`` (PaTR-PRM)."""
+
+    path: str = "scorers.FrozenLakeProgressScorer"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step."""
 
-    strategy: Literal["flat", "tree_random", "patr"] = "patr"
+    strategy: Literal[STRATEGIES] = "patr"
     tasks_per_step: int = 8
     group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
     b0: int = 4
@@ -100,16 +119,17 @@ class RolloutConfig:
     alpha: float = 0.5
     theta: int = 6
     max_branches: int | None = None
-    keep: Literal["keep_all", "best_n"] = "keep_all"
+    keep: Literal[GROUP_MODES] = "keep_all"
     refill: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
-    export: Literal["concat", "individual"] = "concat"
+    # one row per leaf (the spec's concat export; "individual", one row per turn, is not offered)
+    export: Literal["concat"] = "concat"
     filter: Literal[
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
     ] = "none"
-    branch_scorer: str = "scorers.FrozenLakeProgressScorer"
+    branch_scorer: BranchScorerSpec = dataclasses.field(default_factory=lambda: BranchScorerSpec())
 
 
 @dataclasses.dataclass
@@ -150,7 +170,7 @@ class ScorerSpec:
 
 @dataclasses.dataclass
 class ShapingConfig:
-    mode: Literal["additive", "gvpo", "process_weighted"] = "additive"
+    mode: Literal[SHAPING_MODES] = "additive"
     negative_scale: float = 0.2
     zero_penalty: float = 0.4
     zero_eps: float = 1e-6
@@ -180,7 +200,7 @@ class AdvantageSection:
     group_reward_norm: bool = True
     group_reward_std: bool = True
     kl_ctl: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: Literal[KL_ESTIMATORS] = "k1"
     gamma: float = 1.0
     lam: float = 1.0
     gae_method: Literal["scan", "associative"] = "scan"
@@ -216,7 +236,7 @@ class PPOConfig:
     eps_clip: float = 0.2
     eps_clip_higher: float | None = None
     c_clip: float | None = None
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    agg: Literal[LOSS_AGGREGATIONS] = "token-mean"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
     microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
     len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 640, 768, 1024, 2048, 4096])
@@ -301,110 +321,48 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# dict <-> dataclass
+# Loading
 # --------------------------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults <- YAML file <- dotted overrides (in order), then :func:`validate`."""
+    layers = [OmegaConf.structured(TrainConfig)]
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {p}: top level must be a mapping")
+        layers.append(loaded)
+    layers += [_override(ov) for ov in overrides or []]
+    try:
+        merged = OmegaConf.merge(*[OmegaConf.create(x) if isinstance(x, dict) else x for x in layers])
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_explain(e)) from None
+    return validate(cfg)
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        if value is None:
-            return tp()
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
-        return from_dict(tp, value, prefix=key)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-            hint = _suggest(str(value), [str(a) for a in allowed]) if isinstance(value, str) else ""
-            raise ConfigError(f"{key}: got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}{hint}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{key}: must not be null (expected {_type_name(tp)})")
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: got {value!r}; expected {_type_name(tp)}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list of {_type_name(item_tp)}, got {value!r}")
-        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, str):
-                try:
-                    return float(value)  # YAML 1.1 reads "1e-4" as a string
-                except ValueError:
-                    pass
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return str(value)
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
-
-
-def from_dict(cls: type, data: dict[str, Any], *, prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping; unknown keys raise with a "did you mean" hint."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise ConfigError(
-                f"unknown config key {key!r}{_suggest(str(name), list(fields))} "
-                f"(keys of {prefix or 'the top level'}: {', '.join(fields)})"
-            )
-        kwargs[name] = _convert(value, hints[name], key)
-    return cls(**kwargs)
+def _override(ov: str) -> dict[str, Any]:
+    """``a.b.c=value`` -> ``{"a": {"b": {"c": value}}}`` with ``value`` parsed as YAML."""
+    if "=" not in ov:
+        raise ConfigError(f"override {ov!r} must look like key.sub=value")
+    key, text = ov.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {ov!r}: empty key segment")
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        value = text
+    for part in reversed(parts):
+        value = {part: value}
+    return value
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -422,51 +380,78 @@ def config_hash(obj: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Overrides
+# Errors: OmegaConf's exceptions -> messages that name the key, the expected type or allowed values
 # --------------------------------------------------------------------------------------------
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str], *, schema: type = None) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place.
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
 
-    Keys are checked against the dataclass ``schema`` as they are walked so a typo names the
-    bad segment and a suggestion.
-    """
-    schema = schema or TrainConfig
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} must look like key.sub=value")
-        key, text = ov.split("=", 1)
-        key = key.strip()
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"override {ov!r}: empty key segment")
-        node, cls = data, schema
-        for i, part in enumerate(parts):
-            path = ".".join(parts[: i + 1])
-            if cls is not None and dataclasses.is_dataclass(cls):
-                names = [f.name for f in dataclasses.fields(cls)]
-                if part not in names:
-                    raise ConfigError(f"unknown config key {path!r}{_suggest(part, [*names])}")
-                tp = typing.get_type_hints(cls)[part]
-                nxt = tp if dataclasses.is_dataclass(tp) else None
-            else:
-                nxt = None
-            if i == len(parts) - 1:
-                node[part] = _parse_scalar(text)
-            else:
-                if not isinstance(node.get(part), dict):
-                    node[part] = {}
-                node = node[part]
-                cls = nxt
-    return data
+
+def _schema_at(key: str) -> tuple[Any, Any]:
+    """(the annotated type at dotted ``key``, the dataclass that holds it) in ``TrainConfig``."""
+    tp, parent = TrainConfig, None
+    for part in re.findall(r"[^.\[\]]+", key):
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                return None, tp
+            parent, tp = tp, hints[part]
+        elif typing.get_origin(tp) is list:
+            parent, tp = tp, typing.get_args(tp)[0]
+        else:
+            return None, parent
+    return tp, parent
+
+
+def _expected(tp: Any, value: Any) -> str | None:
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (
+        typing.Union, types.UnionType) else [tp]
+    if len(args) != 1:
+        return f"got {value!r}; expected {_type_name(tp)}"
+    (t,) = args
+    if typing.get_origin(t) is Literal:
+        allowed = typing.get_args(t)
+        hint = _suggest(str(value), [str(a) for a in allowed]) if isinstance(value, str) else ""
+        return f"got {value!r}; allowed values: {', '.join(repr(a) for a in allowed)}{hint}"
+    if dataclasses.is_dataclass(t):
+        return f"expected a mapping for section {t.__name__}, got {value!r}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if t in names:
+        return f"expected {names[t]}, got {value!r}"
+    if typing.get_origin(t) is list:
+        return f"expected a list of {_type_name(typing.get_args(t)[0])}, got {value!r}"
+    if typing.get_origin(t) is dict:
+        return f"expected a mapping, got {value!r}"
+    return None
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    key = str(getattr(e, "full_key", None) or getattr(e, "key", None) or "")
+    if isinstance(e, ConfigKeyError) or "not in" in str(getattr(e, "msg", "")):
+        parent_key, _, name = key.rpartition(".")
+        _, holder = _schema_at(key)
+        fields = [f.name for f in dataclasses.fields(holder)] if dataclasses.is_dataclass(holder) else []
+        return (f"unknown config key {key!r}{_suggest(name, fields)}"
+                + (f" (keys of {parent_key or 'the top level'}: {', '.join(fields)})" if fields else ""))
+    tp, _ = _schema_at(key)
+    detail = _expected(tp, getattr(e, "value", None)) if tp is not None else None
+    msg = str(getattr(e, "msg", "") or e).splitlines()[0]
+    return f"{key}: {detail or msg}" if key else msg
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,41 +473,35 @@ def _positive(cfg: Any, section: str, *names: str, allow_zero: bool = False) -> 
         _check(ok and math.isfinite(v), f"{section}.{n}", f"must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
+#: The trainer's YAML keys for the settings the scorers' validator checks.
+PRM_RULE_KEYS = {
+    "export_style": "rollout.export",
+    "token_backed": "server.token_backed",
+    "token_rewards_as_adv": "advantage.token_rewards_as_adv",
+    "mask_no_eos_with_zero": "advantage.mask_no_eos_with_zero",
+    "scorers": "prm.scorers",
+}
+
+
 def validate_prm(cfg: TrainConfig) -> None:
-    """The process-reward rules (DESIGN.md, process-rewards spec), keyed by config path."""
-    prm = cfg.prm
-    sh = prm.advantage_shaping
-    for n in ("negative_scale", "zero_penalty", "zero_eps"):
-        v = getattr(sh, n)
-        _check(math.isfinite(v) and v >= 0, f"prm.advantage_shaping.{n}", f"must be finite and >= 0, got {v!r}")
-    names = set()
-    for i, s in enumerate(prm.scorers):
-        _check(bool(s.path) and "." in s.path, f"prm.scorers[{i}].path",
-               f"must be a dotted path package.module.Class, got {s.path!r}")
-        _check(math.isfinite(s.weight), f"prm.scorers[{i}].weight", f"must be finite, got {s.weight!r}")
-        names.add(s.path)
-    if not prm.active:
-        return
-    _check(cfg.rollout.export == "concat", "rollout.export",
-           f"active process-reward scorers need concat export; got {cfg.rollout.export!r} (allowed: 'concat')")
-    _check(cfg.advantage.token_rewards_as_adv, "advantage.token_rewards_as_adv",
-           "active process-reward scorers need direct process advantages (true); folded mode is rejected")
-    _check(cfg.server.token_backed, "server.token_backed",
-           "active process-reward scorers need token-backed interactions; a string-only external backend "
-           "is rejected (set prm.enabled=false or use a token-backed server)")
-    if sh.mode == "process_weighted":
-        _check(not cfg.advantage.mask_no_eos_with_zero, "advantage.mask_no_eos_with_zero",
-               "prm.advantage_shaping.mode='process_weighted' rejects mask_no_eos_with_zero: true")
-    try:  # the scorers package's own validator, when present
-        import scorers
+    """The process-reward rules (the scorers' validator, with the trainer's keys) and the branch scorer."""
+    try:
+        validate_prm_config(
+            dataclasses.asdict(cfg.prm), export_style=cfg.rollout.export, token_backed=cfg.server.token_backed,
+            token_rewards_as_adv=cfg.advantage.token_rewards_as_adv,
+            mask_no_eos_with_zero=cfg.advantage.mask_no_eos_with_zero,
+            external_string_backend=cfg.server.kind == "external" and not cfg.server.token_backed,
+            keys=PRM_RULE_KEYS, resolve=True)
+        if cfg.rollout.strategy == "patr":
+            check_scorer_specs([_as_spec(cfg.rollout.branch_scorer)], where="rollout.branch_scorer")
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).replace("rollout.branch_scorer[0]", "rollout.branch_scorer")) from None
 
-        fn = getattr(scorers, "validate_prm_config", None)
-    except ImportError:  # pragma: no cover - scorers is part of this project
-        fn = None
-    if fn is not None:
-        from jaxprm.train import compat
 
-        compat.call_validate_prm_config(fn, cfg)
+def _as_spec(b: BranchScorerSpec):
+    from scorers import ScorerSpec as _Spec
+
+    return _Spec(path=b.path, kwargs=b.kwargs)
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -585,38 +564,3 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                "coordinator_address needs num_processes and process_id")
     validate_prm(cfg)
     return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-def _deep_merge(base: dict[str, Any], upd: dict[str, Any]) -> dict[str, Any]:
-    for k, v in upd.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict) and k not in ("overrides", "kwargs"):
-            _deep_merge(base[k], v)
-        else:
-            base[k] = v
-    return base
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults <- YAML file <- dotted overrides, then :func:`validate`."""
-    data = to_dict(TrainConfig())
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {p}: invalid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {p}: top level must be a mapping")
-        # Check keys against the schema before merging so a typo is named precisely.
-        from_dict(TrainConfig, _deep_merge(to_dict(TrainConfig()), loaded))
-        _deep_merge(data, loaded)
-    apply_overrides(data, list(overrides or []))
-    cfg = from_dict(TrainConfig, data)
-    return validate(cfg)

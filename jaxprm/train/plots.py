@@ -20,6 +20,15 @@ def _plt():
     return plt
 
 
+def _save(fig, out: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    _plt().close(fig)
+    return out
+
+
 def training_curves(metrics_path: str | Path, out: str | Path) -> Path:
     """Eval sampled success / pass@k / greedy success and train reward / success over steps."""
     from jaxprm.train.rundir import read_metrics
@@ -49,12 +58,7 @@ def training_curves(metrics_path: str | Path, out: str | Path) -> Path:
     ax.set(title="training rollouts", xlabel="step", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def tree_png(group: Any, out: str | Path) -> Path:
@@ -105,9 +109,4 @@ def tree_png(group: Any, out: str | Path) -> Path:
            xlabel="turn", ylabel="branch")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(alpha=0.2)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)

@@ -26,6 +26,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxprm.models.logprobs import next_token_logprobs
+
 __all__ = [
     "TrainState",
     "TrainStep",
@@ -33,7 +35,6 @@ __all__ = [
     "make_schedule",
     "make_mesh",
     "shard_params",
-    "gather_logprobs",
     "step_inputs",
 ]
 
@@ -48,12 +49,13 @@ class TrainState:
     step: jax.Array
 
 
-def make_schedule(cfg) -> optax.Schedule:
-    """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then constant or cosine decay to
-    ``lr * min_lr_ratio`` at ``total_steps`` (counted in optimizer updates)."""
-    lr, warm = cfg.optimizer.lr, cfg.optimizer.warmup_steps
-    total_updates = max(1, cfg.steps * cfg.ppo.epochs * cfg.ppo.num_minibatches)
-    if cfg.optimizer.schedule == "constant":
+def make_schedule(o, total_updates: int) -> optax.Schedule:
+    """Linear warmup from 0 to ``o.lr`` over ``o.warmup_steps``, then constant or cosine decay to
+    ``o.lr * o.min_lr_ratio`` at ``total_updates`` (counted in optimizer updates).
+
+    ``o``: the optimizer section (``lr``, ``warmup_steps``, ``schedule``, ``min_lr_ratio``)."""
+    lr, warm = o.lr, o.warmup_steps
+    if o.schedule == "constant":
         if warm == 0:
             return optax.constant_schedule(lr)
         return optax.join_schedules(
@@ -64,16 +66,16 @@ def make_schedule(cfg) -> optax.Schedule:
         peak_value=lr,
         warmup_steps=warm,
         decay_steps=max(total_updates, warm + 1),
-        end_value=lr * cfg.optimizer.min_lr_ratio,
+        end_value=lr * o.min_lr_ratio,
     )
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping, ``cfg`` a :class:`~jaxprm.train.config.TrainConfig`."""
-    o = cfg.optimizer
+def make_optimizer(o, total_updates: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping; ``o`` the optimizer section (``grad_clip``, ``b1``, ``b2``,
+    ``eps``, ``weight_decay`` and the schedule's fields)."""
     return optax.chain(
         optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(make_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+        optax.adamw(make_schedule(o, total_updates), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
     )
 
 
@@ -111,17 +113,6 @@ def shard_params(tree: Any, mesh: Mesh) -> Any:
     """Shardings for a params-like pytree: FSDP over the largest divisible dim, else replicated."""
     fsdp = mesh.shape["fsdp"]
     return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
-
-
-def gather_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``out[b, t] = log_softmax(logits[b, t])[tokens[b, t+1]]`` in float32, 0 in the last column.
-
-    Shapes: logits ``[B, T, V]``, tokens ``[B, T]`` -> ``[B, T]`` (prediction positions).
-    """
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nxt = tokens[:, 1:]
-    out = jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0]
-    return jnp.pad(out, ((0, 0), (0, 1)))
 
 
 def step_inputs(batch, advantages) -> dict[str, jax.Array]:
@@ -174,7 +165,7 @@ class TrainStep:
         num_minibatches: int = 1,
         loss_kwargs: dict | None = None,
         mesh: Mesh | None = None,
-        logprob_fn: Callable = gather_logprobs,
+        logprob_fn: Callable = next_token_logprobs,
         microbatch_rows: int | None = None,
     ) -> None:
         self.apply_fn = apply_fn

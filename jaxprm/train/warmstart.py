@@ -33,7 +33,7 @@ import optax
 
 from jaxprm.learner.batch import RowData, pad_rows
 from jaxprm.train.config import config_hash
-from jaxprm.train.step import gather_logprobs
+from jaxprm.models import next_token_logprobs
 
 __all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key"]
 
@@ -153,7 +153,7 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     def loss_fn(p, tokens, mask):
         T = tokens.shape[1]
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
-        lp = gather_logprobs(apply_fn(p, tokens, pos), tokens)
+        lp = next_token_logprobs(apply_fn(p, tokens, pos), tokens)
         return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @jax.jit
@@ -175,14 +175,10 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     return params, losses
 
 
-def warm_start_key(cfg, model_config=None) -> str:
-    """Hash of everything that determines the warm-started params (``model_config``: the resolved
-    :class:`jaxprm.models.ModelConfig`, so a change of architecture or initialization misses the cache)."""
-    resolved = dataclasses.asdict(model_config) if model_config is not None else None
-    return config_hash({"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
-                        "env": dataclasses.asdict(cfg.env),
-                        "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
-                        "seed": cfg.seed})
+def warm_start_key(key_data: dict[str, Any]) -> str:
+    """The cache key: a hash of everything that determines the warm-started params
+    (``jaxprm.train.adapters.warm_start_key_data``)."""
+    return config_hash(key_data)
 
 
 def _save_npz(path: Path, params) -> None:
@@ -203,10 +199,11 @@ def _load_npz(path: Path, like) -> Any:
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
 
 
-def warm_start(cfg, policy, train_tasks, *, env_factory=None, log=print) -> tuple[Any, dict[str, Any]]:
-    """Warm-started params for ``policy`` (cached by :func:`warm_start_key`), and a report dict."""
-    w = cfg.warm_start
-    key = warm_start_key(cfg, policy.config)
+def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=None,
+               log=print) -> tuple[Any, dict[str, Any]]:
+    """Warm-started params for ``policy`` (cached under :func:`warm_start_key` of ``key_data``) and a
+    report dict; ``w`` is the warm-start section (demos, SFT steps, batch size, lr, seed, cache dir)."""
+    key = warm_start_key(key_data)
     cache = Path(w.cache_dir).expanduser() / key
     pfile, rfile = cache / "params.npz", cache / "report.json"
     if pfile.is_file() and rfile.is_file():

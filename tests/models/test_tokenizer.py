@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxprm.models import Tokenizer, build_tiny_tokenizer, load_model
+from jaxprm.models import Tokenizer, build_tiny_tokenizer
 
 # A template in the style of tool-calling chat formats: namespace, loop controls, tojson,
 # raise_exception, bos/eos tokens and extra variables.
@@ -49,8 +49,8 @@ TOOLS = [{"type": "function", "function": {"name": "move", "description": "Move 
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")[1]
+def tiny(tiny_tokenizer):
+    return tiny_tokenizer  # this module's tests only need the tokenizer
 
 
 @pytest.fixture(scope="module")

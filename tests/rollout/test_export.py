@@ -7,15 +7,11 @@ import pytest
 
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, make_tasks
-from rollout.export import describe_groups, export_groups, leaf_row
+from rollout.export import export_groups, leaf_row
+from rollout.stats import describe_groups
 from rollout.testing import ServerScript, frozenlake_policy
 from rollout.tree import TreeConfig, run_groups
-
-
-class Progress:
-    async def score(self, branch, ctx):
-        st = branch[-1].env_state
-        return 0.0 if st["distance"] < 0 else 1.0 / (1.0 + st["distance"])
+from scorers import FrozenLakeProgressScorer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +27,7 @@ def groups():
 
     async def go(url):
         async with GenerationClient(ClientConfig(endpoints=(url,))) as c:
-            kw = dict(env_factory=FrozenLakeEnv, client=c, prompts=PromptBuilder(tok), scorer=Progress())
+            kw = dict(env_factory=FrozenLakeEnv, client=c, prompts=PromptBuilder(tok), scorer=FrozenLakeProgressScorer())
             return (await run_groups(tasks[:2], config=cfg, **kw)) + \
                 (await run_groups(tasks[2:], config=short, group_seed=2, **kw))
 

@@ -10,7 +10,8 @@ import pytest
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, FrozenLakeTask, StepResult, make_tasks
 from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
-from rollout.tree import RolloutError, ScorerAdapter, TreeConfig, run_group, run_groups
+from rollout.tree import RolloutError, TreeConfig, run_group, run_groups
+from scorers import BaseScorer
 
 SAMPLING = SamplingParams(max_tokens=24)
 
@@ -40,16 +41,19 @@ class StepEnv:
         return c
 
 
-class TableScorer:
+class TableScorer(BaseScorer):
     """Scores from a table keyed by (branch id, turns so far); records every call."""
 
+    name = "table"
+
     def __init__(self, table, default=0.5):
+        super().__init__()
         self.table, self.default, self.calls = table, default, []
 
-    async def score(self, branch, ctx):
-        key = (ctx["branch_id"], len(branch))
+    async def evaluate(self, interaction, ctx):
+        key = (ctx["branch_id"], len(ctx["branch"]))
         self.calls.append(key)
-        assert ctx["messages"][-1]["role"] == "assistant" and ctx["branch"] is branch
+        assert ctx["messages"][-1]["role"] == "assistant" and ctx["branch"][-1] is interaction
         return self.table.get(key, self.default)
 
 
@@ -171,9 +175,11 @@ def test_tree_random_without_refill_size(serve, prompts):
     assert g.stats.expanded == 4  # top-2 at each of two checkpoints
 
 
-class ProgressScorer:
-    async def score(self, branch, ctx):
-        st = branch[-1].env_state
+class ProgressScorer(BaseScorer):
+    name = "progress"
+
+    async def evaluate(self, interaction, ctx):
+        st = interaction.env_state
         return 0.0 if st["distance"] < 0 else 1.0 / (1.0 + st["distance"])
 
 
@@ -262,31 +268,36 @@ def test_cancelling_a_group_leaves_no_task_running(serve, tok, prompts):
     assert run(go()) == set()
 
 
-class _BaseScorerLike:
-    """Shaped like scorers.BaseScorer: async evaluate(interaction, ctx) -> scalar or [output_len]."""
-
-    name = "like"
+class _ValueScorer(BaseScorer):
+    name = "value"
 
     def __init__(self, value):
+        super().__init__()
         self.value = value
 
     async def evaluate(self, interaction, ctx):
-        assert ctx["branch"][-1] is interaction
-        return self.value(interaction) if callable(self.value) else self.value
+        interaction.env_state["scribbled"] = True  # a private copy: the tree must not see this
+        ctx["branch"][-1].messages.append({"role": "user", "content": "scribbled"})
+        return self.value
 
 
-def test_scorer_adapter():
-    from rollout.types import Interaction
+@pytest.mark.parametrize("value,match", [(None, "returned None"), (True, "bool"), (np.full(99, 0.5), "shape"),
+                                         (float("nan"), "non-finite")])
+def test_checkpoint_scores_go_through_the_validated_branch_scoring_path(serve, prompts, value, match):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, sampling=SAMPLING)
+    with pytest.raises(RolloutError, match=match):
+        run(_group(srv.url, cfg, scorer=_ValueScorer(value), prompts=prompts))
 
-    it = Interaction(id="x", parent_id=None, messages=[], output_messages=[])
-    ctx = {"branch": [it], "branch_id": "b0"}
-    assert run(ScorerAdapter(_BaseScorerLike(0.25)).score([it], ctx)) == 0.25
-    assert run(ScorerAdapter(_BaseScorerLike(np.array([0.2, 0.4]))).score([it], ctx)) == pytest.approx(0.3)
-    assert run(ScorerAdapter(_BaseScorerLike(np.array([0.2, 0.4])), reduce="last").score([it], ctx)) == 0.4
-    with pytest.raises(ValueError, match="rejected"):
-        run(ScorerAdapter(_BaseScorerLike(None)).score([it], ctx))
-    with pytest.raises(TypeError):
-        ScorerAdapter(object())
+
+def test_checkpoint_scorers_work_on_private_copies(serve, prompts):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, max_branches=4, sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, scorer=_ValueScorer(0.5), prompts=prompts))
+    assert g.stats.checkpoints
+    for it in g.tree:
+        assert "scribbled" not in it.env_state
+        assert all(m.get("content") != "scribbled" for m in it.messages)
 
 
 def test_config_validation():

@@ -1,4 +1,4 @@
-"""PaTR with the real FrozenLakeProgressScorer (through ScorerAdapter) and export of PRMRunner rewards."""
+"""PaTR with the real FrozenLakeProgressScorer as its branch scorer and export of PRMRunner rewards."""
 
 import asyncio
 
@@ -12,7 +12,7 @@ from rollout.client import ClientConfig, GenerationClient, SamplingParams  # noq
 from rollout.envs import FrozenLakeEnv, make_tasks  # noqa: E402
 from rollout.export import export_groups  # noqa: E402
 from rollout.testing import ServerScript, frozenlake_policy  # noqa: E402
-from rollout.tree import ScorerAdapter, TreeConfig, run_group  # noqa: E402
+from rollout.tree import TreeConfig, run_group  # noqa: E402
 
 
 def test_patr_with_frozenlake_progress_scorer_and_prm_export(serve, tok, prompts):
@@ -24,7 +24,7 @@ def test_patr_with_frozenlake_progress_scorer_and_prm_export(serve, tok, prompts
     async def go():
         async with GenerationClient(ClientConfig(endpoints=(srv.url,), dialect="sglang")) as c:
             g = await run_group(task, env_factory=FrozenLakeEnv, client=c, prompts=prompts, config=cfg,
-                                scorer=ScorerAdapter(scorer))
+                                scorer=scorer)
         runner = runner_mod.PRMRunner({"enabled": True}, scorers=[scorer])
         sess = await runner.score_branches(g.tree)
         await runner.aclose()

@@ -53,6 +53,26 @@ def chain(lengths: list[int], prefix: str = "t") -> list[Interaction]:
     return out
 
 
+def agent_branch(steps: list[tuple[str, str]], *, task: str, system: str = "sys", prefix: str = "t",
+                 output_len: int = 4, rewards: list[float] | None = None) -> list[Interaction]:
+    """A concat-style agent branch: one turn per ``(action, observation)``, observations as tool
+    messages, each turn's messages the whole conversation before it."""
+    msgs: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+    out: list[Interaction] = []
+    for i, (action, observation) in enumerate(steps):
+        it = Interaction(
+            id=f"{prefix}{i}",
+            parent_id=out[-1].id if out else None,
+            messages=list(msgs),
+            output_messages=[{"role": "assistant", "content": action}],
+            model_response=response(output_len),
+            reward=None if rewards is None else rewards[i],
+        )
+        out.append(it)
+        msgs = [*msgs, *it.output_messages, {"role": "tool", "content": observation}]
+    return out
+
+
 def tree_of(*branches: list[Interaction]) -> InteractionTree:
     tree = InteractionTree()
     for b in branches:

@@ -113,10 +113,3 @@ class ScriptedServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-
-def free_port() -> int:
-    """A port with nothing listening on it (for connection-refused tests)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -6,32 +6,18 @@ import asyncio
 
 import pytest
 
-from prm_test_scorers import run
+from prm_test_scorers import agent_branch, run
 from rollout.types import Interaction, branch_messages
-from scorer_http_server import free_port
 from scorers import LLMJudgeScorer, PRMConfig, PRMRunner, ScorerHTTPError, ScoringRejected, score_branch
 from scorers._trajectory import Step, split_steps
 from scorers.llm_judge import classify_action, detect_phase, heuristic_score, parse_judge_score
-from prm_test_scorers import response
 
 TASK = "Fix the crash in utils.parse_date when the input has a timezone."
 
 
 def swe_branch(actions_and_obs: list[tuple[str, str]]) -> list[Interaction]:
     """A concat-style SWE branch: one interaction per (action, observation)."""
-    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": TASK}]
-    out: list[Interaction] = []
-    for i, (action, observation) in enumerate(actions_and_obs):
-        it = Interaction(
-            id=f"w{i}",
-            parent_id=out[-1].id if out else None,
-            messages=list(msgs),
-            output_messages=[{"role": "assistant", "content": action}],
-            model_response=response(5),
-        )
-        out.append(it)
-        msgs = [*msgs, *it.output_messages, {"role": "tool", "content": observation}]
-    return out
+    return agent_branch(actions_and_obs, task=TASK, system="You are a coding agent.", prefix="w", output_len=5)
 
 
 def judge(server, **kw) -> LLMJudgeScorer:
@@ -144,7 +130,7 @@ def test_slow_responses_time_out_and_are_retried(server):
         run(_eval(judge(server, timeout_s=0.3, max_retries=1), swe_branch(EXPLORE)))
 
 
-def test_connection_refused_is_retried_then_fails():
+def test_connection_refused_is_retried_then_fails(free_port):
     s = LLMJudgeScorer(base_url=f"http://127.0.0.1:{free_port()}", model="m", max_retries=1, backoff_s=0.0, timeout_s=2)
     with pytest.raises(ScorerHTTPError, match="ConnectError"):
         run(_eval(s, swe_branch(EXPLORE)))

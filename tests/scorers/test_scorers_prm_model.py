@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from prm_test_scorers import response, run
+from prm_test_scorers import agent_branch, response, run
 from rollout.types import Interaction, branch_messages
 from scorers import PRMConfig, PRMModelScorer, PRMRunner, ScorerHTTPError, ScoringRejected
 from scorers.prm_model import aggregate_step_scores
@@ -26,20 +26,7 @@ def make_tokenizer() -> Tokenizer:
 
 
 def branch(steps: list[tuple[str, str]], task: str = "task fix the bug", rewards=None) -> list[Interaction]:
-    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": task}]
-    out = []
-    for i, (action, observation) in enumerate(steps):
-        it = Interaction(
-            id=f"p{i}",
-            parent_id=out[-1].id if out else None,
-            messages=list(msgs),
-            output_messages=[{"role": "assistant", "content": action}],
-            model_response=response(3),
-            reward=None if rewards is None else rewards[i],
-        )
-        out.append(it)
-        msgs = [*msgs, *it.output_messages, {"role": "tool", "content": observation}]
-    return out
+    return agent_branch(steps, task=task, prefix="p", output_len=3, rewards=rewards)
 
 
 def prm(server=None, **kw) -> PRMModelScorer:
@@ -187,9 +174,7 @@ def test_through_the_runner_every_turn_gets_its_prefix_score(server):
         np.testing.assert_allclose(res[iid], [sigmoid(k + 1)] * 3, rtol=1e-6)
 
 
-def test_unreachable_server_rejects_through_the_runner():
-    from scorer_http_server import free_port
-
+def test_unreachable_server_rejects_through_the_runner(free_port):
     s = PRMModelScorer(base_url=f"http://127.0.0.1:{free_port()}", model="m", tokenizer=make_tokenizer(),
                        step_separator_id=SEP, max_retries=1, backoff_s=0.0)
     with pytest.raises(ScoringRejected, match="ConnectError"):

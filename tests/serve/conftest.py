@@ -6,7 +6,6 @@ import httpx
 import openai
 import pytest
 
-from jaxprm.models import load_model
 from jaxprm.serve import ServerHandle
 
 # Few shapes: every test request stays within these buckets, so the server compiles a handful of
@@ -17,11 +16,6 @@ SAMPLER_KW = dict(batch_buckets=(1, 4, 16), prompt_buckets=(32, 128), new_token_
 @pytest.fixture(scope="module")
 def sampler_kw():
     return dict(SAMPLER_KW)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,12 +13,6 @@ import openai
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(proc, url: str, timeout: float) -> None:
@@ -36,8 +29,7 @@ def _wait_healthy(proc, url: str, timeout: float) -> None:
     raise AssertionError(f"server at {url} not healthy after {timeout} s")
 
 
-def _serve(*args):
-    port = _free_port()
+def _serve(port: int, *args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "jaxprm.serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -53,8 +45,8 @@ def _stop(proc) -> None:
         proc.wait()
 
 
-def test_cli_serves_tiny_with_api_key():
-    proc, url = _serve("--model", "tiny", "--api-key", "k", "--max-batch", "4")
+def test_cli_serves_tiny_with_api_key(free_port):
+    proc, url = _serve(free_port(), "--model", "tiny", "--api-key", "k", "--max-batch", "4")
     try:
         _wait_healthy(proc, url, timeout=180)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)

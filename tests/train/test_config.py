@@ -119,7 +119,7 @@ def test_process_reward_rules(extra, key):
 def test_inactive_prm_relaxes_rules():
     # enabled: false or an empty scorer list disables scoring, and with it the PRM-only rules
     load_config(None, ["prm.enabled=false", "advantage.token_rewards_as_adv=false"])
-    load_config(None, ["prm.enabled=true", "prm.scorers=[]", "rollout.export=individual"])
+    load_config(None, ["prm.enabled=true", "prm.scorers=[]", "server.token_backed=false"])
     cfg = load_config(None, [*PRM_ON, "prm.advantage_shaping.mode=gvpo"])
     assert cfg.prm.active and cfg.prm.scorers[0].kwargs == {"max_output_tokens": 8}
 

@@ -17,7 +17,9 @@ import pytest
 
 import jaxprm
 from jaxprm.train.policy import Policy
-from jaxprm.train.step import TrainStep, gather_logprobs, make_optimizer, make_schedule
+from jaxprm.models import next_token_logprobs
+from jaxprm.train.adapters import total_updates
+from jaxprm.train.step import TrainStep, make_optimizer, make_schedule
 from jaxprm.train.config import load_config
 from tests.train._models import toy_transformer
 
@@ -82,14 +84,14 @@ def test_update_moves_logprobs_in_the_advantage_direction():
     d = _data(8, 16, n_real=8, seed=3)
     d["advantages"] = d["loss_mask"] * 1.0  # push every active token up
     lp0 = policy.apply_fn(policy.params, d["tokens"], jnp.broadcast_to(jnp.arange(16), (8, 16)))
-    from jaxprm.train.step import gather_logprobs
+    from jaxprm.models import next_token_logprobs
 
-    before = float((gather_logprobs(lp0, d["tokens"]) * d["loss_mask"]).sum())
+    before = float((next_token_logprobs(lp0, d["tokens"]) * d["loss_mask"]).sum())
     ts = _step(policy, epochs=3)
-    d["old_logprobs"] = gather_logprobs(lp0, d["tokens"]) * d["loss_mask"]
+    d["old_logprobs"] = next_token_logprobs(lp0, d["tokens"]) * d["loss_mask"]
     st, _ = ts(ts.init_state(policy.params), d, jax.random.key(0))
     lp1 = policy.apply_fn(st.params, d["tokens"], jnp.broadcast_to(jnp.arange(16), (8, 16)))
-    after = float((gather_logprobs(lp1, d["tokens"]) * d["loss_mask"]).sum())
+    after = float((next_token_logprobs(lp1, d["tokens"]) * d["loss_mask"]).sum())
     assert after > before
 
 
@@ -97,13 +99,13 @@ def test_schedule_warmup_and_cosine():
     cfg = load_config(None, ["optimizer.schedule=cosine", "optimizer.warmup_steps=4", "optimizer.lr=1e-3",
                              "steps=10", "optimizer.min_lr_ratio=0.1", "ppo.num_minibatches=1",
                              "ppo.epochs=1"])
-    s = make_schedule(cfg)
+    s = make_schedule(cfg.optimizer, total_updates(cfg))
     assert float(s(0)) == 0.0 and float(s(4)) == pytest.approx(1e-3)
     assert float(s(10)) == pytest.approx(1e-4, rel=1e-3)
     cfg = load_config(None, ["optimizer.warmup_steps=2", "optimizer.lr=1e-3"])
-    s = make_schedule(cfg)
+    s = make_schedule(cfg.optimizer, total_updates(cfg))
     assert float(s(1)) == pytest.approx(5e-4) and float(s(100)) == pytest.approx(1e-3)
-    make_optimizer(cfg)  # builds
+    make_optimizer(cfg.optimizer, total_updates(cfg))  # builds
 
 
 _MESH_SCRIPT = r"""
@@ -171,7 +173,7 @@ def test_behavior_kl_measures_the_sampler_mismatch_before_any_update():
     policy = Policy(toy_transformer())
     d = _data(8, 16, n_real=8, seed=5)
     T = d["tokens"].shape[1]
-    own = gather_logprobs(policy.apply_fn(policy.params, d["tokens"], jnp.broadcast_to(jnp.arange(T), (8, T))),
+    own = next_token_logprobs(policy.apply_fn(policy.params, d["tokens"], jnp.broadcast_to(jnp.arange(T), (8, T))),
                           d["tokens"]) * d["loss_mask"]
     ts = _step(policy, epochs=2, num_minibatches=2)
     _, m = ts(ts.init_state(policy.params), {**d, "old_logprobs": own}, jax.random.key(0))

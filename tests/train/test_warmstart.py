@@ -7,14 +7,13 @@ import functools
 import numpy as np
 import pytest
 
-from jaxprm.models import load_model
 from jaxprm.train.warmstart import make_demos
 from rollout.envs.frozenlake import ACTIONS, COMPACT_SYSTEM_PROMPT, FrozenLakeEnv, make_tasks
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_model("tiny")[1]
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def _turns(demo, tokenizer):

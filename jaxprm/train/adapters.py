@@ -1,0 +1,138 @@
+"""Translations from the trainer's ``TrainConfig`` to each package's own configuration.
+
+Every other trainer module takes its own small config (``step.py`` the optimizer section and a count
+of updates, ``warmstart.py`` the warm-start section and a cache key, ``rollout.evaluate`` its
+``EvalSettings``); the mapping from the YAML sections to those lives here, in one place, so an
+interface change elsewhere is absorbed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jaxprm
+from jaxprm.train.config import TrainConfig
+from rollout.client import ClientConfig, SamplingParams
+from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
+from rollout.evaluate import EvalSettings
+from rollout.tree import TreeConfig
+from scorers import BaseScorer, PRMConfig, resolve_scorer_class
+
+__all__ = [
+    "advantage_config",
+    "branch_scorer",
+    "client_config",
+    "env_factory",
+    "eval_settings",
+    "loss_kwargs",
+    "prm_config",
+    "row_capacity",
+    "tasks",
+    "total_updates",
+    "tree_config",
+    "warm_start_key_data",
+]
+
+
+def advantage_config(cfg: TrainConfig) -> jaxprm.AdvantageConfig:
+    """``jaxprm.AdvantageConfig`` from the ``advantage`` and ``prm`` sections (no shaping when the
+    process rewards are off)."""
+    a = cfg.advantage
+    sh = cfg.prm.advantage_shaping
+    return jaxprm.AdvantageConfig(
+        reward_scale=a.reward_scale, reward_bias=a.reward_bias, reward_clip=a.reward_clip,
+        group_reward_norm=a.group_reward_norm, group_reward_std=a.group_reward_std,
+        kl_ctl=a.kl_ctl, kl_estimator=a.kl_estimator, gamma=a.gamma, lam=a.lam, gae_method=a.gae_method,
+        adv_mean_level=a.adv_mean_level, adv_std_level=a.adv_std_level, adv_unbiased=a.adv_unbiased,
+        adv_eps=a.adv_eps, shaping_mode=sh.mode if cfg.prm.active else None,
+        negative_scale=sh.negative_scale, zero_penalty=sh.zero_penalty, zero_eps=sh.zero_eps,
+        token_rewards_as_adv=a.token_rewards_as_adv, mask_no_eos_with_zero=a.mask_no_eos_with_zero,
+    )
+
+
+def env_factory(cfg: TrainConfig) -> Callable[[], FrozenLakeEnv]:
+    """A zero-argument constructor of the configured environment (``env.system_prompt`` and
+    ``env.invalid_ends_episode`` applied)."""
+    prompt = {"compact": COMPACT_SYSTEM_PROMPT, "full": SYSTEM_PROMPT, "none": None}[cfg.env.system_prompt]
+    return functools.partial(FrozenLakeEnv, prompt, invalid_ends_episode=cfg.env.invalid_ends_episode)
+
+
+def tasks(cfg: TrainConfig) -> tuple[list[FrozenLakeTask], list[FrozenLakeTask]]:
+    """The training maps and the held-out maps the evaluation uses (``eval.num_tasks`` of them)."""
+    e = cfg.env
+    train, held_out = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,), p_frozen=e.p,
+                                 max_turns=e.max_turns, random_start_goal=e.random_start_goal)
+    return train, held_out[: cfg.eval.num_tasks]
+
+
+def tree_config(cfg: TrainConfig, *, max_context: int | None) -> TreeConfig:
+    """The rollout strategy of one training group."""
+    r = cfg.rollout
+    return TreeConfig(
+        strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k, alpha=r.alpha,
+        theta=r.theta, max_turns=cfg.env.max_turns, max_branches=r.max_branches or r.group_size,
+        refill=r.refill, group_mode=r.keep,
+        sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
+        max_context_tokens=max_context, seed=cfg.seed)
+
+
+def eval_settings(cfg: TrainConfig, *, max_context: int | None) -> EvalSettings:
+    ev = cfg.eval
+    return EvalSettings(samples=ev.samples, temperature=ev.temperature, greedy=ev.greedy,
+                        max_turns=cfg.env.max_turns, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed,
+                        max_context_tokens=max_context)
+
+
+def client_config(cfg: TrainConfig, urls: list[str], *, api_key: str | None) -> ClientConfig:
+    s = cfg.server
+    return ClientConfig(endpoints=tuple(urls), dialect=s.dialect, model=s.model_name or "jaxprm",
+                        api_key=api_key, timeout_s=s.timeout_s, max_retries=s.max_retries,
+                        max_concurrency=s.concurrency, require_tokens=s.token_backed)
+
+
+def prm_config(cfg: TrainConfig) -> PRMConfig:
+    """The ``prm`` section as ``scorers.PRMConfig``."""
+    return PRMConfig.from_dict(dataclasses.asdict(cfg.prm))
+
+
+def branch_scorer(cfg: TrainConfig) -> BaseScorer | None:
+    """PaTR's branch scorer built from ``rollout.branch_scorer`` (``None`` for other strategies)."""
+    if cfg.rollout.strategy != "patr":
+        return None
+    spec = cfg.rollout.branch_scorer
+    cls = resolve_scorer_class(spec.path, where="rollout.branch_scorer.path")
+    return cls(**spec.kwargs)
+
+
+def loss_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    p = cfg.ppo
+    return dict(eps_clip=p.eps_clip, eps_clip_higher=p.eps_clip_higher, c_clip=p.c_clip, agg=p.agg)
+
+
+def total_updates(cfg: TrainConfig) -> int:
+    """Optimizer updates over the whole run (the schedule's horizon)."""
+    return max(1, cfg.steps * cfg.ppo.epochs * cfg.ppo.num_minibatches)
+
+
+def row_capacity(cfg: TrainConfig, n_devices: int) -> int:
+    """Fixed learner batch rows: ``ppo.max_rows`` or tasks x group budget, rounded up to a multiple
+    of the minibatch count and the device count."""
+    r = cfg.rollout
+    per_group = r.group_size if r.strategy == "flat" else (r.max_branches or r.group_size)
+    cap = cfg.ppo.max_rows or r.tasks_per_step * per_group
+    mult = math.lcm(cfg.ppo.num_minibatches, n_devices)
+    return int(-(-cap // mult) * mult)
+
+
+def warm_start_key_data(cfg: TrainConfig, model_config: Any = None) -> dict[str, Any]:
+    """Everything that determines the warm-started params (``model_config``: the resolved
+    ``jaxprm.models.ModelConfig``, so an architecture or init change misses the cache)."""
+    resolved = dataclasses.asdict(model_config) if model_config is not None else None
+    return {"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
+            "env": dataclasses.asdict(cfg.env),
+            "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
+            "seed": cfg.seed}

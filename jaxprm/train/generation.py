@@ -1,0 +1,87 @@
+"""The trainer's generation side: the server(s) rollouts talk to and the weights they serve.
+
+``server.kind: embedded`` starts ``jaxprm.serve`` in-process on a free loopback port and swaps new
+weights in place (a new weight version per step); ``external`` talks to running vLLM / SGLang /
+jaxprm servers at ``server.urls`` and syncs weights by saving the policy in Hugging Face format and
+calling ``/update_weights_from_disk`` on each (through the rollout client's retry policy).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxprm.models import save_pretrained
+from jaxprm.serve import ServerHandle
+from jaxprm.train.adapters import client_config
+from jaxprm.train.config import TrainConfig
+from jaxprm.train.policy import Policy
+from rollout.chat import PromptBuilder
+from rollout.client import GenerationClient, GenerationError
+
+__all__ = ["Generation"]
+
+
+def _copy(params: Any) -> Any:
+    return jax.tree.map(jnp.copy, params)  # the train step donates its own copy
+
+
+class Generation:
+    """Owns the generation client (and the embedded server, if any). ``client``, ``prompts`` and
+    ``max_context`` are what rollouts need; ``sync_s`` accumulates the weight-sync time."""
+
+    def __init__(self, cfg: TrainConfig, policy: Policy, run_dir: Path, log) -> None:
+        self.cfg, self.policy, self.run_dir, self.log = cfg, policy, run_dir, log
+        self.server: ServerHandle | None = None
+        self.client: GenerationClient | None = None
+        self.prompts = PromptBuilder(policy.tokenizer)
+        self.max_context = policy.config.max_position_embeddings
+        self.sync_s = 0.0
+
+    async def start(self, *, resume_step: int = 0) -> None:
+        """Start the embedded server or check the external ones; an external server that is behind a
+        resumed run gets the restored weights."""
+        cfg, s = self.cfg, self.cfg.server
+        if s.kind == "embedded":
+            self.server = ServerHandle.start(
+                self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
+                model_name="jaxprm", sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context},
+                collect_window_s=s.batch_window_ms / 1000.0)
+            urls = [self.server.url]
+            self.log(f"embedded server on {self.server.url}")
+        else:
+            urls = list(s.urls)
+        self.client = GenerationClient(client_config(cfg, urls, api_key=s.api_key))
+        if s.kind == "external":
+            await self.client.check_health()
+            if resume_step > 0:
+                await self.sync(resume_step)
+
+    async def sync(self, step: int) -> None:
+        """Serve the policy's current params as weight version ``step``."""
+        t0 = time.perf_counter()
+        if self.server is not None:
+            self.server.update_weights(_copy(self.policy.params), version=step)
+        else:
+            s = self.cfg.server
+            out = Path(s.weight_sync_dir or (self.run_dir / "weights")).absolute() / f"step-{step}"
+            save_pretrained(self.policy.module(), self.policy.tokenizer, out)
+            await self.client.update_weights_from_disk(str(out), weight_version=step)
+            prev = out.parent / f"step-{step - 1}"
+            if prev.exists():
+                shutil.rmtree(prev, ignore_errors=True)
+        self.sync_s += time.perf_counter() - t0
+
+    async def aclose(self) -> None:
+        """Close the client, then stop the embedded server (both even if the first fails)."""
+        try:
+            if self.client is not None:
+                await self.client.aclose()
+        finally:
+            if self.server is not None:
+                self.server.stop()
