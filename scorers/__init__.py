@@ -32,6 +32,7 @@ from scorers.config import (
     validate_prm_config,
 )
 from scorers.filters import (
+    FILTER_COUNTERS,
     FILTER_REASONS,
     FilterDecision,
     GroupSample,
@@ -50,6 +51,7 @@ from scorers._http import ScorerHTTPError
 
 __all__ = [
     "EVAL_NAMESPACE",
+    "FILTER_COUNTERS",
     "FILTER_REASONS",
     "ROLLOUT_NAMESPACE",
     "SHAPING_MODES",

@@ -106,16 +106,22 @@ class HTTPJsonClient:
         assert self._sem is not None
         return self._client, self._sem
 
-    async def post_json(self, path: str, payload: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
-        """POST ``payload`` to ``path`` and return ``parse(response_json)``, retrying as documented."""
+    async def post_json(self, path: str, payload: Mapping[str, Any] | Callable[[int], Mapping[str, Any]],
+                        parse: Callable[[Any], T]) -> T:
+        """POST ``payload`` to ``path`` and return ``parse(response_json)``, retrying as documented.
+
+        ``payload`` may be a function of the attempt number (0 first), e.g. to vary the sampling of a
+        retry after a malformed answer from a deterministic server.
+        """
         client, sem = self._ensure()
         attempts: list[str] = []
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            body = payload(attempt) if callable(payload) else payload
             try:
                 async with sem, asyncio.timeout(self.timeout_s):
-                    resp = await client.post(path, json=payload)
+                    resp = await client.post(path, json=body)
             except TimeoutError:
                 attempts.append(f"timeout after {self.timeout_s}s")
                 continue
@@ -123,10 +129,10 @@ class HTTPJsonClient:
                 attempts.append(f"{type(err).__name__}: {err}")
                 continue
             if resp.status_code == 429 or resp.status_code >= 500:
-                attempts.append(f"HTTP {resp.status_code}")
+                attempts.append(f"HTTP {resp.status_code}: {_reason(resp)}")
                 continue
             if resp.status_code >= 400:
-                attempts.append(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                attempts.append(f"HTTP {resp.status_code}: {_reason(resp)}")
                 raise ScorerHTTPError(f"POST {self.base_url}{path} was refused (not retried)", attempts)
             try:
                 return parse(resp.json())
@@ -136,9 +142,33 @@ class HTTPJsonClient:
         raise ScorerHTTPError(f"POST {self.base_url}{path} failed after {self.max_retries + 1} attempt(s)", attempts)
 
     async def aclose(self) -> None:
-        client, self._client, self._sem, self._loop = self._client, None, None, None
-        if client is not None:
-            await client.aclose()
+        """Close the HTTP client. A client made on another (possibly closed) event loop cannot be
+        closed from this one: its connections are dropped instead of raising."""
+        client, loop = self._client, self._loop
+        self._client, self._sem, self._loop = None, None, None
+        if client is None:
+            return
+        if loop is not asyncio.get_running_loop():
+            logger.debug("scorer HTTP client of another event loop dropped without an orderly close")
+            return
+        await client.aclose()
+
+
+def _reason(resp: httpx.Response) -> str:
+    """The server's reason for an error status: the OpenAI-style ``error.message`` or ``detail`` if
+    the body is JSON, else its first 200 characters."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:200] or resp.reason_phrase
+    if isinstance(data, Mapping):
+        err = data.get("error")
+        if isinstance(err, Mapping) and err.get("message"):
+            return str(err["message"])[:200]
+        for key in ("detail", "message", "error"):
+            if data.get(key):
+                return str(data[key])[:200]
+    return resp.text[:200]
 
 
 class HTTPScorer(BaseScorer):

@@ -20,13 +20,15 @@ reward is ``<= 0`` and some sample has a negative process reward on an active to
 carries a penalty signal). Otherwise the group is rejected, as *all correct* (uniform rewards, all
 ``> 0``) or *all wrong* (uniform rewards, all ``<= 0``, no penalty).
 
-``filter_mixed_or_penalized_all_wrong_mask_no_eos`` matches an actor that zeroes the rewards of
-truncated samples (``mask_no_eos_with_zero``): truncated samples are dropped from the group first
-(DESIGN.md), and the rule above is applied to the samples that ended with EOS. A group whose
-samples were all truncated is rejected (``rejected_all_truncated``).
+``filter_mixed_or_penalized_all_wrong_mask_no_eos`` matches an actor that clears the process
+rewards of truncated samples (``mask_no_eos_with_zero``): it differs only in the all-wrong test,
+where negative process rewards of truncated samples (no EOS) do not count. The mixed-outcome test
+always uses every sample's outcome reward, truncated ones included (the reference rule, DESIGN.md).
 
 Each call returns a ``FilterDecision`` (truthy when kept) and, given ``counters``, increments the
-count for its reason (see ``FILTER_REASONS``).
+reference's counters: ``rejected_by_failed_or_perfect`` for every rejected group together with
+``rejected_by_all_correct`` or ``rejected_by_all_wrong``, and ``accepted_penalized_all_wrong``;
+``accepted_mixed`` counts the mixed groups (see ``FILTER_COUNTERS``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "FILTER_COUNTERS",
     "FILTER_REASONS",
     "FilterDecision",
     "GroupSample",
@@ -46,16 +49,16 @@ __all__ = [
     "filter_mixed_or_penalized_all_wrong_mask_no_eos",
 ]
 
-KEPT_MIXED = "kept_mixed"
-KEPT_PENALIZED_ALL_WRONG = "kept_penalized_all_wrong"
-REJECTED_ALL_CORRECT = "rejected_all_correct"
-REJECTED_ALL_WRONG = "rejected_all_wrong"
-REJECTED_ALL_TRUNCATED = "rejected_all_truncated"
-#: Every reason a decision can carry (the keys ``counters`` is incremented with).
-FILTER_REASONS = (KEPT_MIXED, KEPT_PENALIZED_ALL_WRONG, REJECTED_ALL_CORRECT, REJECTED_ALL_WRONG,
-                  REJECTED_ALL_TRUNCATED)
-#: Extra counter of the ``_mask_no_eos`` variant: truncated samples dropped before the rule.
-IGNORED_TRUNCATED = "ignored_truncated_samples"
+ACCEPTED_MIXED = "accepted_mixed"
+ACCEPTED_PENALIZED_ALL_WRONG = "accepted_penalized_all_wrong"
+REJECTED_ALL_CORRECT = "rejected_by_all_correct"
+REJECTED_ALL_WRONG = "rejected_by_all_wrong"
+#: Counted with every rejection (the group's outcomes were uniform: all failed or all perfect).
+REJECTED_FAILED_OR_PERFECT = "rejected_by_failed_or_perfect"
+#: Every reason a decision can carry.
+FILTER_REASONS = (ACCEPTED_MIXED, ACCEPTED_PENALIZED_ALL_WRONG, REJECTED_ALL_CORRECT, REJECTED_ALL_WRONG)
+#: Every counter a call increments.
+FILTER_COUNTERS = (*FILTER_REASONS, REJECTED_FAILED_OR_PERFECT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,6 @@ class FilterDecision:
 
     keep: bool
     reason: str
-    ignored_truncated: int = 0
 
     def __bool__(self) -> bool:
         return self.keep
@@ -132,22 +134,19 @@ def _normalize(group: Any) -> tuple[np.ndarray, list[np.ndarray | None], list[np
     return np.asarray(rewards_l, dtype=np.float64), token_rewards, masks, np.asarray(truncated_l, dtype=bool)
 
 
-def _decide(group: Any, *, drop_truncated: bool, counters: MutableMapping[str, int] | None) -> FilterDecision:
+def _decide(group: Any, *, skip_truncated_penalties: bool,
+            counters: MutableMapping[str, int] | None) -> FilterDecision:
     rewards, token_rewards, masks, truncated = _normalize(group)
     if rewards.size == 0:
         raise ValueError("group must hold at least one sample")
     if not np.isfinite(rewards).all():
         raise ValueError("group outcome rewards must be finite")
-    ignored = int(truncated.sum()) if drop_truncated else 0
-    keep_idx = [i for i in range(rewards.size) if not (drop_truncated and truncated[i])]
-    kept = rewards[keep_idx]
-    mixed = bool(kept.size and (kept != kept[0]).any())
-    all_wrong = bool(kept.size and (kept <= 0).all())
+    mixed = bool((rewards != rewards[0]).any())  # every sample's outcome, truncated ones included
+    all_wrong = bool((rewards <= 0).all())
     penalized = False
     if not mixed and all_wrong:
-        for i in keep_idx:
-            tr = token_rewards[i]
-            if tr is None:
+        for i, tr in enumerate(token_rewards):
+            if tr is None or (skip_truncated_penalties and truncated[i]):
                 continue
             if not np.isfinite(tr).all():
                 raise ValueError(f"sample {i}: token_rewards must be finite")
@@ -155,20 +154,16 @@ def _decide(group: Any, *, drop_truncated: bool, counters: MutableMapping[str, i
             if bool(((tr < 0) & active).any()):
                 penalized = True
                 break
-    if not kept.size:
-        decision = FilterDecision(False, REJECTED_ALL_TRUNCATED, ignored)
-    elif mixed:
-        decision = FilterDecision(True, KEPT_MIXED, ignored)
+    if mixed:
+        decision = FilterDecision(True, ACCEPTED_MIXED)
     elif penalized:
-        decision = FilterDecision(True, KEPT_PENALIZED_ALL_WRONG, ignored)
-    elif all_wrong:
-        decision = FilterDecision(False, REJECTED_ALL_WRONG, ignored)
+        decision = FilterDecision(True, ACCEPTED_PENALIZED_ALL_WRONG)
     else:
-        decision = FilterDecision(False, REJECTED_ALL_CORRECT, ignored)
+        decision = FilterDecision(False, REJECTED_ALL_WRONG if all_wrong else REJECTED_ALL_CORRECT)
     if counters is not None:
         counters[decision.reason] = counters.get(decision.reason, 0) + 1
-        if drop_truncated:
-            counters[IGNORED_TRUNCATED] = counters.get(IGNORED_TRUNCATED, 0) + ignored
+        if not decision.keep:
+            counters[REJECTED_FAILED_OR_PERFECT] = counters.get(REJECTED_FAILED_OR_PERFECT, 0) + 1
     return decision
 
 
@@ -180,18 +175,17 @@ def filter_mixed_or_penalized_all_wrong(
     ``keep = any(r != r[0]) or (all(r <= 0) and any(p < 0 on an active token))``. See the module
     docstring for the group format. ``counters`` (e.g. a ``collections.Counter``) gets the reason.
     """
-    return _decide(group, drop_truncated=False, counters=counters)
+    return _decide(group, skip_truncated_penalties=False, counters=counters)
 
 
 def filter_mixed_or_penalized_all_wrong_mask_no_eos(
     group: Any, *, counters: MutableMapping[str, int] | None = None
 ) -> FilterDecision:
-    """As ``filter_mixed_or_penalized_all_wrong``, applied after dropping truncated samples from the
-    group (their rewards are zeroed by ``mask_no_eos_with_zero``); an all-truncated group is
-    rejected. Also counts ``ignored_truncated_samples``."""
-    return _decide(group, drop_truncated=True, counters=counters)
+    """As ``filter_mixed_or_penalized_all_wrong``, except that in the all-wrong test the negative
+    process rewards of truncated samples do not count (``mask_no_eos_with_zero`` clears them)."""
+    return _decide(group, skip_truncated_penalties=True, counters=counters)
 
 
 def new_filter_counters() -> collections.Counter[str]:
     """A counter with every reason present (zero), ready to pass as ``counters``."""
-    return collections.Counter({r: 0 for r in (*FILTER_REASONS, IGNORED_TRUNCATED)})
+    return collections.Counter({r: 0 for r in FILTER_COUNTERS})

@@ -250,7 +250,31 @@ def render_trajectory(steps: Sequence[Step], *, first_index: int, max_chars: int
     return "\n".join(lines) if lines else "(no steps yet)"
 
 
-_JSON_OBJECT = re.compile(r"\{[^{}]*\}", re.S)
+
+
+def _json_objects(text: str):
+    """Every JSON object embedded in ``text``, outermost first: decoding starts at each ``{`` with a
+    real JSON parser, so braces inside strings and nested objects are handled."""
+    decoder = json.JSONDecoder()
+    pos = text.find("{")
+    while pos >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            pos = text.find("{", pos + 1)
+            continue
+        yield obj
+        if isinstance(obj, Mapping):  # objects nested in this one are candidates too
+            yield from (v for v in _nested_mappings(obj))
+        pos = text.find("{", end)
+
+
+def _nested_mappings(obj: Any):
+    for v in obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, list) else ():
+        if isinstance(v, Mapping):
+            yield v
+        if isinstance(v, (Mapping, list)):
+            yield from _nested_mappings(v)
 
 
 def parse_judge_score(content: Any) -> float:
@@ -260,12 +284,7 @@ def parse_judge_score(content: Any) -> float:
     text = content.strip()
     if text.startswith("```"):
         text = re.sub(r"^```[a-zA-Z]*\s*|\s*```$", "", text)
-    candidates = [text] + _JSON_OBJECT.findall(text)
-    for cand in candidates:
-        try:
-            obj = json.loads(cand)
-        except ValueError:
-            continue
+    for obj in _json_objects(text):
         if isinstance(obj, Mapping) and "score" in obj:
             value = obj["score"]
             if isinstance(value, str):
@@ -277,6 +296,20 @@ def parse_judge_score(content: Any) -> float:
                 raise ValueError(f"judge score must be in [0, 1], got {value}")
             return value
     raise ValueError(f"no JSON object with a 'score' in the judge answer: {content[:200]!r}")
+
+
+#: Sampling temperature of a retry: a deterministic server at temperature 0 would repeat the same
+#: malformed answer on every retry.
+RETRY_TEMPERATURE = 0.7
+
+
+def _retry_payload(payload: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """The request of retry ``attempt``: the first is sent as built; a retry samples
+    (``temperature >= RETRY_TEMPERATURE``) with a seed per attempt, so it can answer differently."""
+    if attempt == 0:
+        return payload
+    return {**payload, "temperature": max(float(payload.get("temperature", 0.0)), RETRY_TEMPERATURE),
+            "seed": attempt}
 
 
 def _chat_content(data: Any) -> str:
@@ -355,7 +388,8 @@ class LLMJudgeScorer(HTTPScorer):
         heur = heuristic_score(steps, recent_steps=self.recent_steps)
         if self.judge_weight > 0:
             judge = await self.http.post_json(
-                "/v1/chat/completions", payload, lambda data: parse_judge_score(_chat_content(data))
+                "/v1/chat/completions", lambda attempt: _retry_payload(payload, attempt),
+                lambda data: parse_judge_score(_chat_content(data)),
             )
         else:
             judge = 0.0

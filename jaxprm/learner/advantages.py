@@ -79,6 +79,11 @@ class AdvantageConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v <= 1):
                 raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+        if self.shaping_mode in ("gvpo", "process_weighted") and not self.token_rewards_as_adv:
+            raise ValueError(
+                f"shaping_mode={self.shaping_mode!r} needs token_rewards_as_adv=True (direct process "
+                "advantages); folded mode adds each turn's reward before GAE and has no shaping step"
+            )
         if self.shaping_mode == "process_weighted" and self.mask_no_eos_with_zero:
             raise ValueError(
                 "shaping_mode='process_weighted' rejects mask_no_eos_with_zero=True "

@@ -20,6 +20,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "fold_turn_rewards",
     "check_uniform_turn_rewards",
+    "mask_run_turn_ids",
 ]
 
 KL_CLAMP = 10.0
@@ -125,9 +126,25 @@ def _turn_stats(token_rewards, mask, turn_ids):
     return active, tmax, tmin, is_last
 
 
+def mask_run_turn_ids(mask: jax.Array, turn_ids: jax.Array) -> jax.Array:
+    """``turn_ids`` where a row has any; else the row's runs of the loss mask as turns.
+
+    A row whose active positions carry no turn id (``turn_ids < 0`` everywhere, e.g. a batch built
+    without turn ids) gets ``id = (number of runs of mask > 0 started at or before t) - 1`` on its
+    active positions and ``-1`` elsewhere, as the reference does. ``[B, T] -> [B, T]`` int32.
+    """
+    active = mask > 0
+    tid = jnp.asarray(turn_ids, jnp.int32)
+    starts = active & ~jnp.pad(active[:, :-1], ((0, 0), (1, 0)))
+    runs = jnp.where(active, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)
+    has_ids = jnp.any(active & (tid >= 0), axis=1, keepdims=True)
+    return jnp.where(has_ids, tid, runs)
+
+
 def check_uniform_turn_rewards(token_rewards, mask, turn_ids, *, atol: float = 1e-6) -> jax.Array:
     """``bool [B]``: every turn of the row carries one reward value on all its active positions."""
-    active, tmax, tmin, _ = _turn_stats(jnp.asarray(token_rewards, jnp.float32), mask, turn_ids)
+    active, tmax, tmin, _ = _turn_stats(jnp.asarray(token_rewards, jnp.float32), mask,
+                                        mask_run_turn_ids(mask, turn_ids))
     ok = jnp.where(active, (tmax - tmin) <= atol, True)
     return jnp.all(ok, axis=-1)
 
@@ -148,14 +165,15 @@ def fold_turn_rewards(
       rewards: ``[B, T]`` float, the rewards GAE will see (outcome, KL).
       token_rewards: ``[B, T]`` float process rewards in prediction positions.
       mask: ``[B, T]`` loss mask.
-      turn_ids: ``[B, T]`` int turn id per prediction position (``-1`` off-turn).
+      turn_ids: ``[B, T]`` int turn id per prediction position (``-1`` off-turn); a row without any
+        falls back to the runs of its loss mask (:func:`mask_run_turn_ids`).
     Returns:
       ``[B, T]`` float32.
     """
     check_2d_same(rewards=rewards, token_rewards=token_rewards, mask=mask, turn_ids=turn_ids)
     dt = jnp.result_type(rewards, token_rewards, jnp.float32)
     tr = jnp.asarray(token_rewards, dt)
-    active, tmax, tmin, is_last = _turn_stats(tr, mask, turn_ids)
+    active, tmax, tmin, is_last = _turn_stats(tr, mask, mask_run_turn_ids(mask, turn_ids))
     uniform = jnp.where(active, (tmax - tmin) <= 1e-6, True)
     assert_all(uniform, "fold_turn_rewards: a turn's process reward is not uniform over the turn; "
                 "folded mode (token_rewards_as_adv=False) needs one reward per turn")

@@ -1,6 +1,8 @@
 """Kernels vs float64 numpy references on random shapes and masks, worked examples from DESIGN.md,
 jit/vmap/grad invariants, recompilation, and bad-input errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +196,29 @@ def test_folded_rejects_non_uniform_turn():
     with pytest.raises(ValueError, match="not uniform"):
         jaxprm.fold_turn_rewards(np.zeros((1, 6)), np.asarray(b.process_rewards), b.loss_mask, b.turn_ids)
     assert not bool(jaxprm.check_uniform_turn_rewards(b.process_rewards, b.loss_mask, b.turn_ids)[0])
+
+
+def test_folded_without_turn_ids_uses_runs_of_the_loss_mask():
+    # Two turns separated by an observation token; process -0.2 on turn 2; no turn ids in the batch.
+    mask = np.array([[1, 1, 0, 1, 1, 1, 0]], float)
+    proc = np.array([[0, 0, 0, -0.2, -0.2, -0.2, 0]])
+    with_ids = dataclasses.replace(_worked_batch(np.zeros((1, 6))), loss_mask=mask, process_rewards=proc,
+                                   turn_ids=np.array([[0, 0, -1, 1, 1, 1, -1]], np.int32),
+                                   tokens=np.zeros((1, 7), np.int32), old_logprobs=np.zeros((1, 7)),
+                                   ref_logprobs=np.zeros((1, 7)), values=np.zeros((1, 7)),
+                                   seq_lens=np.array([7], np.int32))
+    without = dataclasses.replace(with_ids, turn_ids=np.full((1, 7), -1, np.int32))
+    cfg = jaxprm.AdvantageConfig(token_rewards_as_adv=False, adv_mean_level=None, adv_std_level=None)
+    a, b = jaxprm.compute_advantages(with_ids, cfg), jaxprm.compute_advantages(without, cfg)
+    np.testing.assert_allclose(b.returns, a.returns, atol=1e-12)
+    np.testing.assert_allclose(b.returns[0, [0, 1, 3, 4, 5]], [0.8] * 5, atol=1e-6)  # the reward is not dropped
+
+
+def test_shaping_modes_need_direct_process_advantages():
+    for mode in ("gvpo", "process_weighted"):
+        with pytest.raises(ValueError, match="token_rewards_as_adv=True"):
+            jaxprm.AdvantageConfig(shaping_mode=mode, token_rewards_as_adv=False)
+    jaxprm.AdvantageConfig(shaping_mode="additive", token_rewards_as_adv=False)  # folded additive is the folded mode
 
 
 def test_truncated_rows_bootstrap_and_mask_no_eos():

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scorers import (
-    FILTER_REASONS,
+    FILTER_COUNTERS,
     GroupSample,
     filter_mixed_or_penalized_all_wrong,
     filter_mixed_or_penalized_all_wrong_mask_no_eos,
@@ -27,38 +27,39 @@ def s(reward, tr=None, mask=None, truncated=False):
 
 def test_mixed_groups_are_kept():
     d = F([s(1.0), s(0.0), s(0.0)])
-    assert d and d.reason == "kept_mixed"
+    assert d and d.reason == "accepted_mixed"
 
 
 def test_all_correct_groups_are_rejected_even_with_penalties():
     d = F([s(1.0, [-1.0, 0.0]), s(1.0)])
-    assert not d and d.reason == "rejected_all_correct"
+    assert not d and d.reason == "rejected_by_all_correct"
 
 
 def test_all_wrong_groups_need_a_negative_process_reward_on_an_active_token():
-    assert F([s(0.0, [0.5, 0.0]), s(0.0, [0.0, 0.1])]).reason == "rejected_all_wrong"
-    assert F([s(0.0), s(-1.0)]).reason == "kept_mixed"
+    assert F([s(0.0, [0.5, 0.0]), s(0.0, [0.0, 0.1])]).reason == "rejected_by_all_wrong"
+    assert F([s(0.0), s(-1.0)]).reason == "accepted_mixed"
     kept = F([s(-1.0, [0.0, -0.2]), s(-1.0)])
-    assert kept and kept.reason == "kept_penalized_all_wrong"
+    assert kept and kept.reason == "accepted_penalized_all_wrong"
     # the penalty sits on a masked (prompt / tool) token: it does not count
     masked = F([s(0.0, [0.0, -0.2], [1, 0]), s(0.0, [0.1, 0.0], [1, 1])])
-    assert not masked and masked.reason == "rejected_all_wrong"
+    assert not masked and masked.reason == "rejected_by_all_wrong"
 
 
-def test_mask_no_eos_variant_drops_truncated_samples_first():
+def test_mask_no_eos_variant_ignores_only_the_penalties_of_truncated_samples():
     group = [s(0.0, [-0.5, 0.0], [1, 1], truncated=True), s(0.0, [0.0, 0.0], [1, 1])]
-    assert F(group).reason == "kept_penalized_all_wrong"
+    assert F(group).reason == "accepted_penalized_all_wrong"
     d = FT(group)
-    assert not d and d.reason == "rejected_all_wrong" and d.ignored_truncated == 1
+    assert not d and d.reason == "rejected_by_all_wrong"
     # a penalty on a complete sample still keeps the group
     group.append(s(0.0, [0.0, -0.1], [1, 1]))
-    assert FT(group).reason == "kept_penalized_all_wrong"
-    # truncated samples are dropped before the mixedness check too (DESIGN.md)
-    assert F([s(1.0, truncated=True), s(0.0)]).reason == "kept_mixed"
-    assert FT([s(1.0, truncated=True), s(0.0)]).reason == "rejected_all_wrong"
-    assert FT([s(1.0, truncated=True), s(0.0), s(1.0)]).reason == "kept_mixed"
-    d = FT([s(1.0, truncated=True), s(0.0, [-1.0], truncated=True)])
-    assert not d and d.reason == "rejected_all_truncated" and d.ignored_truncated == 2
+    assert FT(group).reason == "accepted_penalized_all_wrong"
+    # the mixed test uses every sample's outcome, truncated ones included (the reference rule): the
+    # previous implementation dropped the truncated sample and rejected this group
+    assert F([s(1.0, truncated=True), s(0.0)]).reason == "accepted_mixed"
+    assert FT([s(1.0, truncated=True), s(0.0)]).reason == "accepted_mixed"
+    assert FT([s(1.0, truncated=True), s(1.0, truncated=True)]).reason == "rejected_by_all_correct"
+    d = FT([s(0.0, truncated=True), s(0.0, [-1.0], truncated=True)])
+    assert not d and d.reason == "rejected_by_all_wrong"
 
 
 def test_batched_form_matches_per_sample_form():
@@ -68,25 +69,25 @@ def test_batched_form_matches_per_sample_form():
     trunc = [True, False, False]
     batched = {"rewards": rewards, "token_rewards": tr, "loss_mask": lm, "truncated": trunc}
     samples = [GroupSample(r, tr[i], lm[i], trunc[i]) for i, r in enumerate(rewards)]
-    assert F(batched) == F(samples) and F(batched).reason == "kept_penalized_all_wrong"
-    assert FT(batched) == FT(samples) and FT(batched).reason == "rejected_all_wrong"
+    assert F(batched) == F(samples) and F(batched).reason == "accepted_penalized_all_wrong"
+    assert FT(batched) == FT(samples) and FT(batched).reason == "rejected_by_all_wrong"
 
 
-def test_counters_count_each_reason():
+def test_counters_are_the_references():
     counters = new_filter_counters()
     F([s(1.0), s(0.0)], counters=counters)
     F([s(1.0), s(1.0)], counters=counters)
     F([s(0.0), s(0.0)], counters=counters)
     FT([s(0.0, [-1.0], truncated=True), s(0.0, [-1.0])], counters=counters)
-    FT([s(0.0, truncated=True)], counters=counters)
+    FT([s(0.0, [-1.0], truncated=True)], counters=counters)
     assert counters == collections.Counter(
-        kept_mixed=1, rejected_all_correct=1, rejected_all_wrong=1, kept_penalized_all_wrong=1,
-        rejected_all_truncated=1, ignored_truncated_samples=2,
+        accepted_mixed=1, rejected_by_all_correct=1, rejected_by_all_wrong=2, accepted_penalized_all_wrong=1,
+        rejected_by_failed_or_perfect=3,
     )
-    assert set(FILTER_REASONS) <= set(counters)
+    assert set(FILTER_COUNTERS) == set(counters)
     plain: dict = {}
     F([s(1.0), s(1.0)], counters=plain)
-    assert plain == {"rejected_all_correct": 1}
+    assert plain == {"rejected_by_all_correct": 1, "rejected_by_failed_or_perfect": 1}
 
 
 @pytest.mark.parametrize(
@@ -120,10 +121,6 @@ def test_matches_a_direct_reading_of_the_rule(data):
     mixed = len(set(rewards)) > 1
     pen = ((tr < 0) & (lm == 1)).any()
     assert bool(F(group)) == (mixed or (bool((r <= 0).all()) and bool(pen)))
-    # the _mask_no_eos variant: the same rule on the samples that ended with EOS
-    keep = ~trunc
-    r_eos = r[keep]
-    mixed_eos = len(set(r_eos.tolist())) > 1
-    pen_eos = ((tr[keep] < 0) & (lm[keep] == 1)).any()
-    want = bool(keep.any()) and (mixed_eos or (bool((r_eos <= 0).all()) and bool(pen_eos)))
-    assert bool(FT(group)) == want
+    # the _mask_no_eos variant: only the penalties of truncated samples stop counting
+    pen_eos = ((tr[~trunc] < 0) & (lm[~trunc] == 1)).any()
+    assert bool(FT(group)) == (mixed or (bool((r <= 0).all()) and bool(pen_eos)))

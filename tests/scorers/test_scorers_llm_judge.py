@@ -114,6 +114,28 @@ def test_malformed_answers_are_retried(server):
     assert res.reward == pytest.approx(0.25) and len(server.requests["chat"]) == 5
 
 
+def test_a_retry_after_a_malformed_answer_samples_differently(server):
+    # a deterministic server at temperature 0 repeats its answer: retries must change the request
+    server.script("chat", {"content": "no idea"}, {"content": '{"score": 0.4}'})
+    res = run(_eval(judge(server, max_retries=2, judge_weight=1.0), swe_branch(EXPLORE)))
+    first, retry = server.requests["chat"]
+    assert res.reward == pytest.approx(0.4)
+    assert first["temperature"] == 0.0 and "seed" not in first
+    assert retry["temperature"] >= 0.7 and retry["seed"] == 1 and retry["messages"] == first["messages"]
+
+
+def test_server_errors_keep_the_servers_reason(server):
+    server.defaults["chat"] = {"status": 500}
+    with pytest.raises(ScorerHTTPError, match="HTTP 500: scripted failure"):
+        run(_eval(judge(server, max_retries=0), swe_branch(EXPLORE)))
+
+
+def test_aclose_from_another_event_loop_does_not_raise(server):
+    s = judge(server, judge_weight=1.0)
+    run(s.evaluate(swe_branch(EXPLORE)[-1], {}))  # the HTTP client belongs to that (now closed) loop
+    run(s.aclose())  # raised "Event loop is closed" before
+
+
 def test_malformed_answers_exhausting_retries_reject(server):
     server.defaults["chat"] = {"content": "no idea"}
     with pytest.raises(ScorerHTTPError, match="malformed response"):
@@ -197,7 +219,11 @@ def test_constructor_validation(server):
 
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [('{"score": 0.4}', 0.4), ("```json\n{\"score\": 1}\n```", 1.0), ('x {"score": "0.5"} y', 0.5), ('{"score": 0}', 0.0)],
+    [('{"score": 0.4}', 0.4), ("```json\n{\"score\": 1}\n```", 1.0), ('x {"score": "0.5"} y', 0.5), ('{"score": 0}', 0.0),
+     # braces inside the object (judges of code quote them) and nested objects
+     ('Rating: {"score": 0.6, "reason": "edits the {tz} branch"}', 0.6),
+     ('{"verdict": {"score": 0.3, "why": "ok"}} done', 0.3),
+     ('I considered {foo} then answered {"score": 0.9}', 0.9)],
 )
 def test_parse_judge_score(content, expected):
     assert parse_judge_score(content) == expected
