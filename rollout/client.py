@@ -274,7 +274,7 @@ class GenerationClient:
                          client_s=client_s)
 
     async def _send(self, method: str, path: str, payload: bytes | None, *, route_key: str | None = None,
-                    endpoint: str | None = None) -> tuple[bytes, str, int, float]:
+                    endpoint: str | None = None, retries: int | None = None) -> tuple[bytes, str, int, float]:
         """One request under the client's retry policy; returns ``(body, endpoint, attempts, http_s)``.
 
         Connection errors, timeouts and the statuses in ``_RETRY_STATUS`` are retried up to
@@ -283,6 +283,7 @@ class GenerationClient:
         over to another endpoint (re-pinning the key). Raises :class:`GenerationError`.
         """
         cfg = self.config
+        max_retries = cfg.max_retries if retries is None else retries
         ep = endpoint or self.pick_endpoint(route_key)
         attempt = 0
         http_s = 0.0
@@ -313,7 +314,7 @@ class GenerationClient:
                 if status not in _RETRY_STATUS:
                     self._stats["failures"] += 1
                     raise GenerationError(f"{ep}{path} failed: {last_err}", status=status)
-            if attempt >= cfg.max_retries:
+            if attempt >= max_retries:
                 self._stats["failures"] += 1
                 raise GenerationError(f"{ep}{path} failed after {attempt + 1} attempts: {last_err}", status=status)
             self._stats["retries"] += 1
@@ -337,6 +338,27 @@ class GenerationClient:
                 if e.status != 404:
                     raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from None
                 await self._send("GET", "/v1/models", None, endpoint=ep)
+
+    async def probe_token_io(self, prompt: Sequence[int]) -> None:
+        """Send one greedy one-token request with a token-id prompt to every endpoint, without
+        retries, and check that the answer carries token ids and log-probs. Raises
+        :class:`GenerationError` with one line that says what to use instead: a server that refuses
+        token-id prompts (llama.cpp answers them with HTTP 500) would otherwise be retried as if the
+        error were transient."""
+        path, body = self._payload([int(t) for t in prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        payload = json.dumps(body).encode()
+        parse = _parse_vllm if self.config.dialect == "vllm" else _parse_sglang
+        for ep in self.config.endpoints:
+            try:
+                data, *_ = await self._send("POST", path, payload, endpoint=ep, retries=0)
+                parse(json.loads(data), require_tokens=True)
+            except (GenerationError, ValueError, KeyError, TypeError) as e:
+                detail = " ".join(str(e).split())[:300]
+                raise GenerationError(
+                    f"the generation server {ep} does not accept token-in/token-out requests ({self.config.dialect} "
+                    f"dialect: a prompt of token ids, token ids and log-probs in the answer): {detail}. Training "
+                    "needs the sampled tokens: use vLLM >= 0.10.2 (server.dialect: vllm), SGLang's /generate "
+                    "(server.dialect: sglang) or python -m jaxprm.serve") from None
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
         """``POST /update_weights_from_disk`` (SGLang's route, also the embedded server's) on every

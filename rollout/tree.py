@@ -47,7 +47,7 @@ from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
 from rollout.client import GenerationClient, SamplingParams
 from rollout.envs.base import Env
 from rollout.types import Interaction, InteractionTree, branch_messages
-from scorers import BaseScorer, score_branch
+from scorers import BaseScorer, ScoringRejected, score_branch
 
 __all__ = [
     "TreeConfig",
@@ -56,6 +56,7 @@ __all__ = [
     "GroupStats",
     "GroupResult",
     "RolloutError",
+    "GroupRejected",
     "run_group",
     "run_groups",
     "STRATEGIES",
@@ -69,6 +70,17 @@ DROPPED_UNDER_BEST_N = ("pruned", "loop")
 
 class RolloutError(RuntimeError):
     """A group could not be rolled out (a request, env step or scorer failed); the cause is chained."""
+
+
+class GroupRejected(RolloutError):
+    """PaTR's branch scorer could not score a checkpoint of this group (it raised, returned an
+    invalid score or one outside [0, 1], or timed out): the group is rejected, not the rollout.
+    ``group_key`` names the group and ``kind`` says why (as ``scorers.ScoringRejected.kind``)."""
+
+    def __init__(self, message: str, *, group_key: str, kind: str) -> None:
+        super().__init__(message)
+        self.group_key = group_key
+        self.kind = kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,10 +379,17 @@ class _GroupRun:
     async def _score_one(self, b: _Branch) -> float:
         branch = self.tree.branch(b.last_id)  # score_branch works on private copies
         ctx = {"task": self.task, "branch_id": b.id}
-        s = await asyncio.wait_for(score_branch(self.scorer, branch, messages=branch_messages(branch), ctx=ctx),
-                                   self.cfg.score_timeout_s)
-        if not np.isfinite(s) or not 0.0 <= s <= 1.0:
-            raise ValueError(f"branch score {s} for {b.id} is outside [0, 1]")
+        where = f"group {self.key!r}: branch {b.id} at turn {b.depth}"
+        try:
+            s = await asyncio.wait_for(score_branch(self.scorer, branch, messages=branch_messages(branch), ctx=ctx),
+                                       self.cfg.score_timeout_s)
+        except ScoringRejected as e:
+            raise GroupRejected(f"{where}: {e.reason}", group_key=self.key, kind=e.kind) from e
+        except TimeoutError:
+            raise GroupRejected(f"{where}: the branch scorer took longer than {self.cfg.score_timeout_s} s",
+                                group_key=self.key, kind="timeout") from None
+        if not 0.0 <= s <= 1.0:
+            raise GroupRejected(f"{where}: branch score {s} is outside [0, 1]", group_key=self.key, kind="out_of_range")
         return s
 
     async def _scores(self, active: list[_Branch], index: int) -> list[float]:
@@ -496,8 +515,8 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
       group_seed: distinguishes groups (and steps) for per-request seeds.
       group_key: prefix of interaction ids and the route key; default ``f"g{group_seed}"``.
 
-    Raises :class:`RolloutError` (with the cause chained) if a request, step or score fails; the
-    other branches are cancelled first. Cancelling the caller cancels every branch.
+    Raises :class:`GroupRejected` if the branch scorer rejects a checkpoint, :class:`RolloutError`
+    (with the cause chained) if a request or env step fails; the other branches are cancelled first. Cancelling the caller cancels every branch.
     """
     if not isinstance(prompts, PromptBuilder):
         prompts = PromptBuilder(prompts)
@@ -515,8 +534,24 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
         client.release(key)
 
 
-async def run_groups(tasks: Sequence[Any], **kwargs: Any) -> list[GroupResult]:
+async def run_groups(tasks: Sequence[Any], *, rejected: list[GroupRejected] | None = None,
+                     **kwargs: Any) -> list[GroupResult]:
     """``run_group`` for several tasks concurrently; group ``i`` uses ``group_seed = base + i``
-    where ``base = kwargs.pop("group_seed", 0)``, and key ``f"g{group_seed}"``."""
+    where ``base = kwargs.pop("group_seed", 0)``, and key ``f"g{group_seed}"``.
+
+    With ``rejected`` (a list), a group that its branch scorer rejects is left out of the result and
+    its :class:`GroupRejected` appended there (the other groups go on); without it, it is raised.
+    Any other failure cancels every group and is raised."""
     base = kwargs.pop("group_seed", 0)
-    return await _gather([run_group(t, group_seed=base + i, **kwargs) for i, t in enumerate(tasks)])
+
+    async def one(i: int, task: Any) -> GroupResult | None:
+        try:
+            return await run_group(task, group_seed=base + i, **kwargs)
+        except GroupRejected as e:
+            if rejected is None:
+                raise
+            rejected.append(e)
+            return None
+
+    results = await _gather([one(i, t) for i, t in enumerate(tasks)])
+    return [g for g in results if g is not None]

@@ -56,8 +56,13 @@ class ScoringRejected(Exception):
       scorer: name of the scorer that failed, if one did.
       interaction_ids: the turns whose scoring failed (empty when not turn-specific).
       leaf_id: the leaf of the failed branch when raised by ``PRMRunner.score_branches``.
+      kind: why, for counting: ``"failed"`` (a scorer raised or returned ``None``), ``"invalid"`` (a
+        result failed validation), ``"out_of_range"`` (``process_weighted`` rewards outside [0, 1]),
+        ``"timeout"`` (the session's scoring ran past its bound).
     The original exception, if any, is chained as ``__cause__``.
     """
+
+    KINDS = ("failed", "invalid", "out_of_range", "timeout")
 
     def __init__(
         self,
@@ -66,12 +71,16 @@ class ScoringRejected(Exception):
         scorer: str | None = None,
         interaction_ids: Sequence[str] = (),
         leaf_id: str | None = None,
+        kind: str = "failed",
     ) -> None:
         super().__init__(reason)
+        if kind not in self.KINDS:
+            raise ValueError(f"ScoringRejected kind={kind!r}; allowed: {self.KINDS}")
         self.reason = reason
         self.scorer = scorer
         self.interaction_ids = tuple(interaction_ids)
         self.leaf_id = leaf_id
+        self.kind = kind
 
 
 @dataclasses.dataclass(frozen=True)

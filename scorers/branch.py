@@ -63,7 +63,7 @@ def order_interactions(interactions: Iterable[Interaction]) -> list[Interaction]
         if it.output_len <= 0:
             raise ScoringRejected(
                 f"interaction {it.id!r} has no output tokens to attach a process reward to",
-                interaction_ids=[it.id],
+                interaction_ids=[it.id], kind="invalid",
             )
     ordered: list[Interaction] = []
     placed: set[str] = set()
@@ -180,14 +180,14 @@ async def _evaluate_trajectory(
         raise ScoringRejected(
             f"trajectory scorer {scorer.name!r} must return a mapping {{interaction_id: reward}}, "
             f"got {type(mapping).__name__}",
-            scorer=scorer.name,
+            scorer=scorer.name, kind="invalid",
         )
     known = set(ids)
     unknown = [k for k in mapping if k not in known]
     if unknown:
         raise ScoringRejected(
             f"trajectory scorer {scorer.name!r} returned unknown interaction ids {sorted(map(str, unknown))}",
-            scorer=scorer.name,
+            scorer=scorer.name, kind="invalid",
         )
     results: list[Any] = []
     for i in idx:
@@ -264,5 +264,5 @@ async def score_branch(
         raw = turn_rewards(result, ordered[last].output_len)
     except (TypeError, ValueError) as err:
         raise ScoringRejected(f"scorer {scorer.name!r} gave an invalid score: {err}", scorer=scorer.name,
-                              interaction_ids=[ordered[last].id]) from err
+                              interaction_ids=[ordered[last].id], kind="invalid") from err
     return float(raw.mean())

@@ -133,14 +133,25 @@ class PRMConfig:
       enabled: master switch; ``False`` means no scorer is built or run.
       scorers: ``ScorerSpec`` entries (mappings are converted), built in order.
       advantage_shaping: the learner's shaping settings.
+      max_concurrent_sessions: sessions (groups) scored at once by ``PRMRunner.score_sessions``.
+      timeout_s: bound on scoring one session; past it the session is rejected.
     """
 
     enabled: bool = True
     scorers: tuple[ScorerSpec, ...] = ()
     advantage_shaping: AdvantageShapingConfig = dataclasses.field(default_factory=AdvantageShapingConfig)
+    max_concurrent_sessions: int = 8
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _bool("prm.enabled", self.enabled)
+        n = self.max_concurrent_sessions
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"prm.max_concurrent_sessions must be an int >= 1, got {n!r}")
+        t = _real("prm.timeout_s", self.timeout_s)
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"prm.timeout_s must be finite and > 0, got {t!r}")
+        object.__setattr__(self, "timeout_s", t)
         if isinstance(self.scorers, (str, bytes, Mapping)) or not isinstance(self.scorers, Sequence):
             raise TypeError(f"prm.scorers must be a list of scorer entries, got {type(self.scorers).__name__}")
         specs = []
@@ -174,7 +185,7 @@ class PRMConfig:
         """Build from a parsed YAML/JSON mapping (``None`` -> disabled defaults); unknown keys fail."""
         if data is None:
             return cls(enabled=False)
-        _check_keys("prm", data, ("enabled", "scorers", "advantage_shaping"))
+        _check_keys("prm", data, ("enabled", "scorers", "advantage_shaping", "max_concurrent_sessions", "timeout_s"))
         d = dict(data)
         if d.get("scorers") is None:
             d["scorers"] = ()
@@ -188,6 +199,8 @@ class PRMConfig:
             "enabled": self.enabled,
             "scorers": [dataclasses.asdict(s) for s in self.scorers],
             "advantage_shaping": dataclasses.asdict(self.advantage_shaping),
+            "max_concurrent_sessions": self.max_concurrent_sessions,
+            "timeout_s": self.timeout_s,
         }
 
 

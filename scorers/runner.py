@@ -350,6 +350,7 @@ class PRMRunner:
                     f"scorer {name!r} gave an invalid result for turn {it.id!r}: {err}",
                     scorer=name,
                     interaction_ids=[it.id],
+                    kind="invalid",
                 ) from err
             updates.append((it.id, combined))
             turn_results.append(PRMTurnResult(name, it.id, float(contribution.mean()), result.observations))
@@ -391,30 +392,39 @@ class PRMRunner:
         ctx: Mapping[str, Any] | None = None,
         *,
         is_eval: bool = False,
+        leaf_ids: Sequence[str] | None = None,
     ) -> SessionScores:
-        """Score every root-to-leaf branch of ``tree`` on clones, in leaf order.
+        """Score root-to-leaf branches of ``tree`` on clones, in leaf order: every leaf, or exactly
+        ``leaf_ids`` (e.g. the leaves a trainer exports).
 
         The tree is never modified. Returns ``SessionScores`` only if every branch succeeded;
         otherwise raises ``ScoringRejected`` (with ``leaf_id``) for the whole session and publishes
-        nothing. ``ctx["messages"]`` is set per branch to that branch's conversation.
+        nothing. ``ctx["messages"]`` is set per branch to that branch's conversation. With
+        ``advantage_shaping.mode == "process_weighted"`` a branch whose summed token rewards leave
+        [0, 1] rejects the session (``kind="out_of_range"``): the learner would refuse the batch.
         """
         self._check_open()
         token_rewards: dict[str, dict[str, np.ndarray]] = {}
         turn_results: dict[str, tuple[PRMTurnResult, ...]] = {}
         totals: dict[str, dict[str, float]] = {}
-        for leaf in tree.leaves():
+        leaves = tree.leaves() if leaf_ids is None else [tree.get(i) for i in leaf_ids]
+        weighted = self.config.advantage_shaping.mode == "process_weighted"
+        for leaf in leaves:
             branch = tree.clone_branch(leaf.id)
             branch_ctx = dict(ctx or {})
             branch_ctx["messages"] = branch_messages(branch)
             branch_ctx["leaf_id"] = leaf.id
             try:
                 result = await self.run(branch, branch_ctx, is_eval=is_eval)
+                if weighted:
+                    _check_unit_range(result)
             except ScoringRejected as err:
                 raise ScoringRejected(
                     f"session rejected: branch ending at {leaf.id!r}: {err.reason}",
                     scorer=err.scorer,
                     interaction_ids=err.interaction_ids,
                     leaf_id=leaf.id,
+                    kind=err.kind,
                 ) from err
             token_rewards[leaf.id] = dict(result.token_rewards)
             turn_results[leaf.id] = result.turn_results
@@ -425,7 +435,51 @@ class PRMRunner:
             metrics.record_branch_totals(totals[leaf_id])
         return SessionScores(token_rewards, turn_results, totals, metrics)
 
+    async def score_sessions(
+        self,
+        sessions: Sequence[tuple[InteractionTree, Mapping[str, Any] | None, Sequence[str] | None]],
+        *,
+        is_eval: bool = False,
+    ) -> list[SessionScores | ScoringRejected]:
+        """Score several sessions concurrently (at most ``config.max_concurrent_sessions`` at once),
+        the branches of each in order (:meth:`score_branches`), each bounded by ``config.timeout_s``.
+
+        ``sessions``: ``(tree, ctx, leaf_ids)`` per session. Returns, in the same order, each
+        session's ``SessionScores`` or the ``ScoringRejected`` that rejected it (a timeout is one of
+        ``kind="timeout"``); other errors and cancellation propagate (the other sessions are
+        cancelled first).
+        """
+        self._check_open()
+        limit = asyncio.Semaphore(self.config.max_concurrent_sessions)
+        timeout = self.config.timeout_s
+
+        async def one(tree, ctx, leaf_ids) -> SessionScores | ScoringRejected:
+            async with limit:
+                try:
+                    async with asyncio.timeout(timeout):
+                        return await self.score_branches(tree, ctx, is_eval=is_eval, leaf_ids=leaf_ids)
+                except ScoringRejected as err:
+                    return err
+                except TimeoutError:
+                    return ScoringRejected(f"session rejected: scoring took longer than {timeout} s", kind="timeout")
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(*s)) for s in sessions]
+        return [t.result() for t in tasks]
+
     def __repr__(self) -> str:
         owned = {id(s) for s in self._owned}
         parts = [f"{s.name}{'' if id(s) in owned else '(borrowed)'}{'' if s.enabled else '(disabled)'}" for s in self._scorers]
         return f"PRMRunner([{', '.join(parts)}], closing={self._closing})"
+
+
+def _check_unit_range(result: RunResult) -> None:
+    """``process_weighted`` needs every token reward of the branch in [0, 1]."""
+    for iid, rewards in result.token_rewards.items():
+        bad = (rewards < 0.0) | (rewards > 1.0)
+        if bad.any():
+            raise ScoringRejected(
+                f"turn {iid!r} has process rewards outside [0, 1] (min {rewards.min():g}, max {rewards.max():g}); "
+                "prm.advantage_shaping.mode='process_weighted' needs them in [0, 1]",
+                interaction_ids=[iid], kind="out_of_range",
+            )

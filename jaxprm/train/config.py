@@ -183,6 +183,8 @@ class PRMSection:
     enabled: bool = False
     scorers: list[ScorerSpec] = dataclasses.field(default_factory=list)
     advantage_shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+    max_concurrent_sessions: int = 8  # groups scored at once (the branches of a group in order)
+    timeout_s: float = 300.0  # bound on scoring one group; past it the group is rejected
 
     @property
     def active(self) -> bool:

@@ -59,6 +59,8 @@ class Generation:
         self.client = GenerationClient(client_config(cfg, urls, api_key=s.api_key))
         if s.kind == "external":
             await self.client.check_health()
+            if s.token_backed:
+                await self.client.probe_token_io(self.prompts.initial([{"role": "user", "content": "Hi"}]))
             if resume_step > 0:
                 await self.sync(resume_step)
 

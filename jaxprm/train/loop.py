@@ -5,15 +5,21 @@
 1. ``tasks_per_step`` training maps (a seeded permutation per pass over the task list; the position
    is checkpointed) are rolled out as groups with ``rollout.tree.run_groups`` (flat / tree_random /
    patr) against the generation server (``jaxprm.train.generation``).
-2. If process rewards are active, ``scorers.PRMRunner.score_branches`` scores every root-to-leaf
-   branch of each group's tree; a rejected group is dropped (reason counted).
+2. If process rewards are active, ``rollout.scoring.score_groups`` scores the exported root-to-leaf
+   branches of every group (groups concurrently, branches in order); a rejected group is dropped
+   (reason counted). A group whose PaTR branch scorer failed is dropped at rollout (counted).
 3. An optional group filter (``rollout.export.filter_groups``).
 4. ``rollout.export.export_groups`` -> a fixed-shape ``jaxprm.Batch`` (rows padded to the
    capacity, length to ``ppo.len_buckets``) -> ``jaxprm.compute_advantages``.
 5. The jitted PPO step (``jaxprm.train.step.TrainStep``) under the configured mesh.
 6. New weights to the server (``Generation.sync``).
-7. Periodic held-out evaluation (``rollout.evaluate``), metrics rows, checkpoints (orbax, async,
-   keep last N).
+7. Periodic held-out evaluation (``rollout.evaluate``; its groups are scored too, in the
+   ``eval-rollout`` metrics namespace, but not learned from), metrics rows, checkpoints (orbax,
+   async, keep last N).
+
+Resources (checkpointer, metrics log, generation server and client, scorers) are closed in reverse
+order of opening, each even when another fails; an error that stops the run is what the caller sees,
+with cleanup failures attached to it as notes.
 
 The translations from the config to each package's settings are in ``jaxprm.train.adapters``.
 """
@@ -21,7 +27,9 @@ The translations from the config to each package's settings are in ``jaxprm.trai
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import inspect
 import json
 import time
 from pathlib import Path
@@ -44,10 +52,11 @@ from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, step_inputs
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import evaluate
 from rollout.export import export_groups, filter_groups
+from rollout.scoring import score_groups
 from rollout.stats import describe_groups
 from rollout.client import GenerationError
-from rollout.tree import RolloutError, run_groups
-from scorers import MetricsAccumulator, PRMRunner, ScoringRejected
+from rollout.tree import GroupRejected, RolloutError, run_groups
+from scorers import PRMRunner
 
 __all__ = ["TrainError", "Summary", "train"]
 
@@ -161,6 +170,50 @@ def _ref_logprobs(apply_fn, params, tokens, pos):
     return fn(params, tokens, pos)
 
 
+class _Cleanup:
+    """Closers of the run's resources, run in reverse order of opening; each runs even when another
+    fails. With an error in flight, the cleanup failures become notes on it (the caller sees the
+    original error); after a successful run they are logged."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+        self._stack: list[tuple[str, Any]] = []
+
+    def push(self, name: str, close) -> None:
+        self._stack.append((name, close))
+
+    async def aclose(self, error: BaseException | None) -> None:
+        failures = []
+        while self._stack:
+            name, close = self._stack.pop()
+            try:
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as e:
+                failures.append((name, e))
+        self._report(failures, error)
+
+    def close(self, error: BaseException | None) -> None:
+        """The same, outside an event loop (only synchronous closers may be registered by then)."""
+        failures = []
+        while self._stack:
+            name, close = self._stack.pop()
+            try:
+                close()
+            except Exception as e:
+                failures.append((name, e))
+        self._report(failures, error)
+
+    def _report(self, failures: list[tuple[str, Exception]], error: BaseException | None) -> None:
+        for name, e in failures:
+            msg = f"closing the {name} failed: {type(e).__name__}: {e}"
+            if error is not None:
+                error.add_note(msg)
+            else:
+                self.log(f"warning: {msg}")
+
+
 def _fmt(res: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.3f}" for k, v in res.items() if isinstance(v, float) and not k.endswith("_s"))
 
@@ -173,6 +226,7 @@ def _fmt(res: dict[str, Any]) -> str:
 class _Job:
     def __init__(self, cfg: TrainConfig, resume: bool, log) -> None:
         self.cfg, self.resume, self.log = cfg, resume, log
+        self.cleanup = _Cleanup(log)
         self.timings: dict[str, float] = {"warm_start": 0.0, "rollout": 0.0, "score": 0.0, "learn": 0.0,
                                           "sync": 0.0, "eval": 0.0, "checkpoint": 0.0}
 
@@ -198,6 +252,7 @@ class _Job:
         self.adv_cfg = adapters.advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
+        self.cleanup.push("checkpointer", self.ckpt.close)
 
         # Warm start (fresh runs only: a resumed run restores its params from the checkpoint).
         self.warm_report: dict[str, Any] = {}
@@ -230,6 +285,7 @@ class _Job:
             self.policy.params = self.state.params
             self.log(f"resumed from step {step} ({self.run_dir})")
         self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None)
+        self.cleanup.push("metrics log", self.metrics.close)
         self.stream = _TaskStream(self.train_tasks, cfg.seed, data_pos)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         self.history = [r for r in rows if r.get("kind") == "eval"]
@@ -239,22 +295,19 @@ class _Job:
 
     # -- pieces of a step -----------------------------------------------------------------------
     async def score(self, groups) -> tuple[list, list, dict[str, float]]:
-        """Process rewards per group (PRM active) and the group filter; returns kept groups."""
+        """Process rewards per group (PRM active) and the group filter; returns the kept groups,
+        their process rewards and the row's stats (rejections by reason, the spec's
+        ``rollout/prm_...`` metrics of the scored groups, filter counters)."""
         stats: dict[str, float] = {}
         rewards: list = [None] * len(groups)
         if self.prm is not None:
-            kept_g, kept_r = [], []
-            for g in groups:
-                try:
-                    sc = await self.prm.score_branches(g.tree, {"task": g.task})
-                except ScoringRejected as e:
-                    stats["prm_rejected_groups"] = stats.get("prm_rejected_groups", 0) + 1
-                    self.log(f"process rewards rejected group {g.group_key}: {e}")
-                    continue
-                self.prm_metrics.merge(sc.metrics)
-                kept_g.append(g)
-                kept_r.append(sc.token_rewards)
-            groups, rewards = kept_g, kept_r
+            scored = await score_groups(self.prm, groups)
+            for key, reason in scored.reasons:
+                self.log(f"process rewards rejected group {key}: {reason}")
+            stats["prm_rejected_groups"] = sum(scored.rejected.values())
+            stats.update({f"prm_rejected/{kind}": n for kind, n in scored.rejected.items()})
+            stats.update(scored.metrics.summary())
+            groups, rewards = scored.groups, scored.rewards
         if self.cfg.rollout.filter != "none":
             counters: dict[str, int] = {}
             groups, rewards = filter_groups(groups, rewards, self.cfg.rollout.filter, counters)
@@ -290,6 +343,10 @@ class _Job:
                                 env_factory=self.env_factory,
                                 settings=adapters.eval_settings(self.cfg, max_context=self.gen.max_context))
         res = result.metrics
+        if self.prm is not None:  # scored for the metrics only (eval-rollout namespace), never learned from
+            scored = await score_groups(self.prm, result.groups, is_eval=True)
+            res["prm_rejected_groups"] = float(sum(scored.rejected.values()))
+            res.update(scored.metrics.summary())
         dt = time.perf_counter() - t0
         self.timings["eval"] += dt
         res["eval_s"] = dt
@@ -307,10 +364,71 @@ class _Job:
         self.timings["checkpoint"] += time.perf_counter() - t0
 
     # -- main -----------------------------------------------------------------------------------
+    async def train_step(self, step: int, scorer) -> dict[str, Any]:
+        """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        tasks = self.stream.take(cfg.rollout.tasks_per_step)
+        branch_rejected: list[GroupRejected] = []
+        groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client, prompts=self.gen.prompts,
+                                  config=adapters.tree_config(cfg, max_context=self.gen.max_context),
+                                  scorer=scorer, group_seed=step * 10_000, rejected=branch_rejected)
+        for r in branch_rejected:
+            self.log(f"branch scorer rejected group {r.group_key}: {r}")
+        t1 = time.perf_counter()
+        self.timings["rollout"] += t1 - t0
+        desc = describe_groups(groups)
+        self._keep_example_tree(groups)
+        kept, rewards, fstats = await self.score(groups)
+        t2 = time.perf_counter()
+        self.timings["score"] += t2 - t1
+        row: dict[str, Any] = {
+            "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
+            "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
+            "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
+            "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
+            "expanded": desc["expanded"], "pruned": desc["pruned"],
+            "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
+            "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
+        }
+        if branch_rejected:
+            row["branch_rejected_groups"] = len(branch_rejected)
+            row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
+        if kept:
+            row.update(self.learn(kept, rewards, step))
+        else:
+            self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+            row["skipped"] = True
+        t3 = time.perf_counter()
+        self.timings["learn"] += t3 - t2
+        await self.gen.sync(step)
+        row.update(rollout_s=t1 - t0, learn_s=t3 - t2, step_s=time.perf_counter() - t0)
+        self.metrics.log(step, "train", row)
+        return row
+
+    def _keep_example_tree(self, groups) -> None:
+        """Remember the group with the most checkpoint activity so far, for the PaTR tree plot."""
+        if self.cfg.rollout.strategy == "flat" or not groups:
+            return
+        activity = lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes)  # noqa: E731
+        cand = max(groups, key=activity)
+        if self.example_tree is None or activity(cand)[0] >= activity(self.example_tree)[0]:
+            self.example_tree = cand
+
     async def run(self) -> Summary:
+        try:
+            summary = await self._run()
+        except BaseException as err:
+            await self.cleanup.aclose(err)
+            raise
+        await self.cleanup.aclose(None)
+        return summary
+
+    async def _run(self) -> Summary:
         cfg = self.cfg
         t_start = time.perf_counter()
         self.gen = Generation(cfg, self.policy, self.run_dir, self.log)
+        self.cleanup.push("generation server and client", self.gen.aclose)
         await self.gen.start(resume_step=self.start_step)
         self.prm = None
         if cfg.prm.active:
@@ -318,87 +436,44 @@ class _Job:
                 self.prm = await PRMRunner.create(adapters.prm_config(cfg))
             except Exception as e:
                 raise TrainError(f"prm: could not build the scorers: {type(e).__name__}: {e}") from e
-            self.prm_metrics = MetricsAccumulator()
+            self.cleanup.push("process-reward scorers", self.prm.aclose)  # closed first: scoring is drained by then
         scorer = adapters.branch_scorer(cfg)
+        if scorer is not None:
+            self.cleanup.push("branch scorer", scorer.aclose)
         first_eval = next((r for r in self.history), None)
         last_eval = self.history[-1] if self.history else None
-        example_tree = None
-        try:
-            if self.start_step == 0 and cfg.eval.at_start and not any(r["step"] == 0 for r in self.history):
-                res = await self.run_eval(0)
-                first_eval = last_eval = {"step": 0, **res}
-                self.log("eval @0 (warm-started policy): " + _fmt(res))
-            bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not cfg.progress, dynamic_ncols=True,
-                       desc="train")
-            step = self.start_step
-            while step < cfg.steps:
-                step += 1
-                t0 = time.perf_counter()
-                tasks = self.stream.take(cfg.rollout.tasks_per_step)
-                groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
-                                          prompts=self.gen.prompts,
-                                          config=adapters.tree_config(cfg, max_context=self.gen.max_context),
-                                          scorer=scorer, group_seed=step * 10_000)
-                t1 = time.perf_counter()
-                self.timings["rollout"] += t1 - t0
-                desc = describe_groups(groups)
-                if cfg.rollout.strategy != "flat":
-                    cand = max(groups, key=lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes))
-                    if example_tree is None or cand.stats.expanded + cand.stats.pruned >= \
-                            example_tree.stats.expanded + example_tree.stats.pruned:
-                        example_tree = cand
-                kept, rewards, fstats = await self.score(groups)
-                t2 = time.perf_counter()
-                self.timings["score"] += t2 - t1
-                row: dict[str, Any] = {
-                    "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
-                    "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
-                    "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
-                    "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
-                    "expanded": desc["expanded"], "pruned": desc["pruned"],
-                    "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
-                    "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
-                }
-                if kept:
-                    row.update(self.learn(kept, rewards, step))
-                else:
-                    self.state = dataclasses.replace(self.state, step=self.state.step + 1)
-                    row["skipped"] = True
-                t3 = time.perf_counter()
-                self.timings["learn"] += t3 - t2
-                await self.gen.sync(step)
-                row.update(rollout_s=t1 - t0, learn_s=t3 - t2, step_s=time.perf_counter() - t0)
-                if self.prm is not None:
-                    row.update({f"prm/{k}": v for k, v in self.prm_metrics.summary().items()})
-                    self.prm_metrics = MetricsAccumulator()
-                self.metrics.log(step, "train", row)
-                if step % cfg.eval.every_steps == 0 or step == cfg.steps:
-                    res = await self.run_eval(step)
-                    last_eval = {"step": step, **res}
-                    first_eval = first_eval or last_eval
-                    (tqdm.write if cfg.progress else self.log)(f"eval @{step}: " + _fmt(res))
-                if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
-                    self.checkpoint(step)
-                bar.set_postfix(succ=f"{row['success']:.2f}", loss=f"{row.get('loss', 0.0):.3f}",
-                                ev=f"{(last_eval or {}).get('success', float('nan')):.2f}", refresh=False)
-                bar.update(1)
-            bar.close()
-            self.ckpt.wait()
-            if cfg.plots:
-                try:
-                    plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
-                    if example_tree is not None:
-                        plots.tree_png(example_tree, self.run_dir / "plots" / "patr_tree.png")
-                except Exception as e:  # plots never fail a finished run
-                    self.log(f"plots failed: {type(e).__name__}: {e}")
-            if cfg.export_final:
-                save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
-        finally:
-            if self.prm is not None:
-                await self.prm.aclose()
-            await self.gen.aclose()
-            self.metrics.close()
-            self.ckpt.close()
+        self.example_tree = None
+        if self.start_step == 0 and cfg.eval.at_start and not any(r["step"] == 0 for r in self.history):
+            res = await self.run_eval(0)
+            first_eval = last_eval = {"step": 0, **res}
+            self.log("eval @0 (warm-started policy): " + _fmt(res))
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not cfg.progress, dynamic_ncols=True,
+                   desc="train")
+        step = self.start_step
+        while step < cfg.steps:
+            step += 1
+            row = await self.train_step(step, scorer)
+            if step % cfg.eval.every_steps == 0 or step == cfg.steps:
+                res = await self.run_eval(step)
+                last_eval = {"step": step, **res}
+                first_eval = first_eval or last_eval
+                (tqdm.write if cfg.progress else self.log)(f"eval @{step}: " + _fmt(res))
+            if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
+                self.checkpoint(step)
+            bar.set_postfix(succ=f"{row['success']:.2f}", loss=f"{row.get('loss', 0.0):.3f}",
+                            ev=f"{(last_eval or {}).get('success', float('nan')):.2f}", refresh=False)
+            bar.update(1)
+        bar.close()
+        self.ckpt.wait()
+        if cfg.plots:
+            try:
+                plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
+                if self.example_tree is not None:
+                    plots.tree_png(self.example_tree, self.run_dir / "plots" / "patr_tree.png")
+            except Exception as e:  # plots never fail a finished run
+                self.log(f"plots failed: {type(e).__name__}: {e}")
+        if cfg.export_final:
+            save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
         self.timings["sync"] = self.gen.sync_s
         if first_eval is not None and "step" in first_eval:
             first_eval = {k: v for k, v in first_eval.items() if k != "kind"}
@@ -415,8 +490,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=None) -> Summary:
     """Run (or resume) a training job; see the module docstring."""
     log = log or (lambda msg: print(msg, flush=True))
     job = _Job(cfg, resume, log)
-    job.setup()
+    try:
+        job.setup()
+    except BaseException as err:
+        job.cleanup.close(err)
+        raise
     try:
         return asyncio.run(job.run())
     except (GenerationError, RolloutError) as e:
-        raise TrainError(str(e)) from e
+        raise TrainError(" ".join(str(e).split())) from e

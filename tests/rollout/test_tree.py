@@ -10,7 +10,7 @@ import pytest
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, FrozenLakeTask, StepResult, make_tasks
 from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
-from rollout.tree import RolloutError, TreeConfig, run_group, run_groups
+from rollout.tree import GroupRejected, RolloutError, TreeConfig, run_group, run_groups
 from scorers import BaseScorer
 
 SAMPLING = SamplingParams(max_tokens=24)
@@ -106,6 +106,34 @@ def test_best_n_drops_pruned(serve, prompts):
                    prompts=prompts))
     assert "b1" in {lf.branch_id for lf in g.all_leaves} - {lf.branch_id for lf in g.leaves}
     assert all(lf.status != "pruned" for lf in g.leaves) and g.stats.leaves == len(g.leaves) == 5
+
+
+def test_process_rewards_score_exactly_the_exported_leaves(serve, prompts):
+    from rollout.scoring import score_groups
+    from scorers import PRMRunner
+
+    class Recorder(BaseScorer):
+        name = "recorder"
+
+        def __init__(self):
+            super().__init__()
+            self.leaves = set()
+
+        async def evaluate(self, interaction, ctx):
+            self.leaves.add(ctx["leaf_id"])
+            return 0.1
+
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=None,
+                     refill=False, group_mode="best_n", sampling=SAMPLING)
+    g = run(_group(srv.url, cfg, scorer=TableScorer({("b1", 2): 0.0, ("b2", 2): 0.9, ("b3", 2): 0.9}),
+                   prompts=prompts))
+    rec = Recorder()
+    scored = run(score_groups(PRMRunner(None, scorers=[rec]), [g]))
+    exported = {lf.leaf_id for lf in g.leaves}
+    assert rec.leaves == exported and set(scored.rewards[0]) == exported
+    assert {lf.leaf_id for lf in g.all_leaves} - exported  # the pruned branch was neither scored nor counted
+    assert scored.metrics.summary()["rollout/prm_trajectory_reward/recorder"] > 0
 
 
 def test_max_branches_caps_live_plus_finished(serve, prompts):
@@ -245,8 +273,9 @@ def test_failure_fails_the_group_and_cancels_siblings(serve, tok, prompts):
 def test_bad_scores_are_rejected(serve, prompts):
     srv = serve()
     cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, sampling=SAMPLING)
-    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+    with pytest.raises(GroupRejected, match=r"outside \[0, 1\]") as info:
         run(_group(srv.url, cfg, scorer=TableScorer({}, default=1.5), prompts=prompts))
+    assert info.value.kind == "out_of_range" and info.value.group_key == "g0"
     with pytest.raises(ValueError, match="needs a branch scorer"):
         run(_group(srv.url, cfg, prompts=prompts))
 
@@ -288,6 +317,41 @@ def test_checkpoint_scores_go_through_the_validated_branch_scoring_path(serve, p
     cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, sampling=SAMPLING)
     with pytest.raises(RolloutError, match=match):
         run(_group(srv.url, cfg, scorer=_ValueScorer(value), prompts=prompts))
+
+
+class _OneGroupFails(BaseScorer):
+    """Fails (raises, or hangs past the timeout) on group ``bad`` only; 0.5 elsewhere."""
+
+    name = "one_group_fails"
+
+    def __init__(self, bad, hang=False):
+        super().__init__()
+        self.bad, self.hang = bad, hang
+
+    async def evaluate(self, interaction, ctx):
+        if interaction.id.startswith(f"{self.bad}/"):
+            if self.hang:
+                await asyncio.sleep(60)
+            raise RuntimeError("scorer bug")
+        return 0.5
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_misbehaving_branch_scorer_rejects_exactly_its_group(serve, prompts, hang):
+    srv = serve()
+    cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, max_branches=4, sampling=SAMPLING, score_timeout_s=0.5)
+
+    async def go(rejected):
+        async with GenerationClient(ClientConfig(endpoints=(srv.url,))) as c:
+            return await run_groups(["a", "b", "c"], env_factory=StepEnv, client=c, prompts=prompts, config=cfg,
+                                    scorer=_OneGroupFails("g11", hang), group_seed=10, rejected=rejected)
+
+    rejected = []
+    groups = run(go(rejected))
+    assert [g.group_key for g in groups] == ["g10", "g12"] and all(g.stats.leaves == 4 for g in groups)
+    assert [(r.group_key, r.kind) for r in rejected] == [("g11", "timeout" if hang else "failed")]
+    with pytest.raises(GroupRejected, match="g11"):  # without a list to collect them, it is raised
+        run(go(None))
 
 
 def test_checkpoint_scorers_work_on_private_copies(serve, prompts):

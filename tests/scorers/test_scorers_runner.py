@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import time
 
 import numpy as np
 import pytest
@@ -27,11 +28,13 @@ from prm_test_scorers import (
 )
 from rollout.types import Interaction, InteractionTree
 from scorers import (
+    BaseScorer,
     LengthBudgetScorer,
     PRMConfig,
     PRMRunner,
     PRMScorerResult,
     ScoringRejected,
+    SessionScores,
     score_branch,
 )
 
@@ -374,6 +377,63 @@ def test_one_failing_branch_rejects_the_whole_session():
 def test_score_branches_on_an_empty_tree():
     sess = run(runner(ConstScorer()).score_branches(InteractionTree()))
     assert sess.token_rewards == {} and len(sess.metrics) == 0
+
+
+def test_score_branches_scores_exactly_the_given_leaves():
+    sink: list = []
+    sess = run(runner(CtxRecordingScorer(sink)).score_branches(_tree(), leaf_ids=["y"]))
+    assert set(sess.token_rewards) == {"y"} and [c[2][-1] for c in sink] == ["y"] * 3  # only y's branch
+
+
+def test_process_weighted_rewards_outside_unit_range_reject_the_session():
+    cfg = PRMConfig(advantage_shaping={"mode": "process_weighted"})
+    run(runner(ConstScorer(1.0), config=cfg).score_branches(_tree()))  # in range
+    with pytest.raises(ScoringRejected, match=r"outside \[0, 1\]") as info:
+        run(runner(ConstScorer(0.6), OtherConstScorer(0.6), config=cfg).score_branches(_tree()))
+    assert info.value.kind == "out_of_range"
+    run(runner(ConstScorer(-3.0)).score_branches(_tree()))  # other modes take any finite reward
+
+
+class _SpanScorer(BaseScorer):
+    """Records, per session (``ctx["task"]``), when its calls ran and the order of its branches;
+    hangs on session ``"hang"``."""
+
+    name = "span"
+
+    def __init__(self):
+        super().__init__()
+        self.spans, self.turns = {}, {}
+
+    async def evaluate(self, interaction, ctx):
+        session = ctx["task"]
+        start = time.monotonic()
+        self.turns.setdefault(session, []).append(ctx["leaf_id"])
+        try:
+            await asyncio.sleep(3600 if session == "hang" else 0.05)
+        finally:
+            lo, hi = self.spans.get(session, (start, start))
+            self.spans[session] = (min(lo, start), max(hi, time.monotonic()))
+        return 0.5
+
+
+def _max_overlap(spans):
+    events = sorted([(lo, 1) for lo, _ in spans] + [(hi, -1) for _, hi in spans], key=lambda e: (e[0], e[1]))
+    best = cur = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_sessions_are_scored_concurrently_bounded_in_order_with_a_timeout():
+    scorer = _SpanScorer()
+    r = runner(scorer, config=PRMConfig(max_concurrent_sessions=2, timeout_s=1.0))
+    names = ["a", "hang", "b", "c"]
+    results = run(r.score_sessions([(_tree(), {"task": n}, None) for n in names]))
+    assert isinstance(results[1], ScoringRejected) and results[1].kind == "timeout"
+    assert [isinstance(results[i], SessionScores) for i in (0, 2, 3)] == [True] * 3  # in session order
+    assert _max_overlap(scorer.spans.values()) == 2  # concurrent, and never more than the bound
+    assert scorer.turns["a"] == ["x", "x", "x", "y", "y", "y"]  # the branches of a session in order
 
 
 # -- score_branch (PaTR helper) ------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ def test_expected_example_configs_exist():
     assert progress.prm.active and progress.prm.scorers[0].kwargs == {"mode": "delta"}
     assert load_config(ROOT / "configs/default.yaml").env.system_prompt == "compact"
     assert load_config(ROOT / "configs/smollm2_frozenlake.yaml").env.system_prompt == "full"
+    judge = load_config(ROOT / "configs/patr_judge.yaml").rollout.branch_scorer
+    assert judge.path == "scorers.LLMJudgeScorer" and judge.kwargs["judge_weight"] == 0.7
+    assert load_config(ROOT / "configs/patr_prm.yaml").rollout.branch_scorer.path == "scorers.PRMModelScorer"
 
 
 def test_overrides_parse_yaml_scalars():
@@ -78,6 +81,7 @@ def test_file_then_overrides(tmp_path):
         (["server.kind=external"], "server.urls"),
         (["advantage.adv_mean_level=token"], "advantage.adv_mean_level"),
         (["noequals"], "key.sub=value"),
+        (["rollout.export=individual"], "rollout.export: got 'individual'; allowed values: 'concat'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
