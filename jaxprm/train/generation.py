@@ -22,7 +22,7 @@ from jaxprm.train.adapters import client_config
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
 from rollout.chat import PromptBuilder
-from rollout.client import GenerationClient, GenerationError
+from rollout.client import GenerationClient
 
 __all__ = ["Generation"]
 

@@ -29,25 +29,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import inspect
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 import jaxprm
-from jaxprm.models import Transformer, load_model, next_token_logprobs, save_pretrained, tiny_config
+from jaxprm.models import next_token_logprobs, save_pretrained
 from jaxprm.train import adapters, plots
-from jaxprm.train.config import TrainConfig, dump_yaml
+from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
-from jaxprm.train.policy import Policy
 from jaxprm.train.rundir import Checkpointer, MetricsLog, read_metrics
+from jaxprm.train.setup import Cleanup, TaskStream, TrainError, init_distributed, load_policy, prepare_run_dir
 from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, step_inputs
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import evaluate
@@ -59,10 +56,6 @@ from rollout.tree import GroupRejected, RolloutError, run_groups
 from scorers import PRMRunner
 
 __all__ = ["TrainError", "Summary", "train"]
-
-
-class TrainError(RuntimeError):
-    """A run could not start or continue (bad model path, unreachable server, bad run dir ...)."""
 
 
 @dataclasses.dataclass
@@ -91,74 +84,6 @@ class Summary:
         return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# setup helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _init_distributed(cfg: TrainConfig) -> None:
-    d = cfg.distributed
-    if not d.enabled:
-        return
-    kw = {}
-    if d.coordinator_address is not None:
-        kw = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
-    try:
-        jax.distributed.initialize(**kw)
-    except Exception as e:
-        raise TrainError(f"distributed: jax.distributed.initialize failed: {e}") from e
-
-
-def _load_policy(cfg: TrainConfig) -> Policy:
-    try:
-        model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.seed)
-    except FileNotFoundError as e:
-        raise TrainError(f"model.name={cfg.model.name!r}: {e}") from None
-    if cfg.model.overrides:
-        if cfg.model.name != "tiny":
-            raise TrainError("model.overrides only applies to the 'tiny' preset")
-        try:
-            mc = tiny_config(vocab_size=tok.vocab_size, param_dtype=cfg.model.dtype).replace(**cfg.model.overrides)
-        except (TypeError, ValueError) as e:
-            raise TrainError(f"model.overrides: {e}") from None
-        model = Transformer(mc, rngs=nnx.Rngs(cfg.seed))
-    return Policy(model, tok)
-
-
-def _prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
-    run_dir = Path(cfg.run_dir)
-    if resume:
-        if not (run_dir / "config.yaml").is_file():
-            raise TrainError(f"--resume {run_dir}: not a run directory (no config.yaml)")
-        return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
-        base, i = run_dir, 1
-        while run_dir.exists() and any(run_dir.iterdir()):
-            run_dir = base.with_name(f"{base.name}-{i}")
-            i += 1
-        cfg.run_dir = str(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    return run_dir
-
-
-class _TaskStream:
-    """Training tasks in a seeded permutation per pass; ``pos`` counts tasks consumed."""
-
-    def __init__(self, tasks: list, seed: int, pos: int = 0) -> None:
-        self.tasks, self.seed, self.pos = tasks, seed, pos
-
-    def take(self, n: int) -> list:
-        out = []
-        N = len(self.tasks)
-        for _ in range(n):
-            epoch, i = divmod(self.pos, N)
-            perm = np.random.default_rng([self.seed, epoch]).permutation(N)
-            out.append(self.tasks[perm[i]])
-            self.pos += 1
-        return out
-
-
 _REF_CACHE: dict = {}
 
 
@@ -168,50 +93,6 @@ def _ref_logprobs(apply_fn, params, tokens, pos):
         fn = jax.jit(lambda p, t, q: next_token_logprobs(apply_fn(p, t, q), t))
         _REF_CACHE[id(apply_fn)] = fn
     return fn(params, tokens, pos)
-
-
-class _Cleanup:
-    """Closers of the run's resources, run in reverse order of opening; each runs even when another
-    fails. With an error in flight, the cleanup failures become notes on it (the caller sees the
-    original error); after a successful run they are logged."""
-
-    def __init__(self, log) -> None:
-        self.log = log
-        self._stack: list[tuple[str, Any]] = []
-
-    def push(self, name: str, close) -> None:
-        self._stack.append((name, close))
-
-    async def aclose(self, error: BaseException | None) -> None:
-        failures = []
-        while self._stack:
-            name, close = self._stack.pop()
-            try:
-                result = close()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception as e:
-                failures.append((name, e))
-        self._report(failures, error)
-
-    def close(self, error: BaseException | None) -> None:
-        """The same, outside an event loop (only synchronous closers may be registered by then)."""
-        failures = []
-        while self._stack:
-            name, close = self._stack.pop()
-            try:
-                close()
-            except Exception as e:
-                failures.append((name, e))
-        self._report(failures, error)
-
-    def _report(self, failures: list[tuple[str, Exception]], error: BaseException | None) -> None:
-        for name, e in failures:
-            msg = f"closing the {name} failed: {type(e).__name__}: {e}"
-            if error is not None:
-                error.add_note(msg)
-            else:
-                self.log(f"warning: {msg}")
 
 
 def _fmt(res: dict[str, Any]) -> str:
@@ -226,16 +107,16 @@ def _fmt(res: dict[str, Any]) -> str:
 class _Job:
     def __init__(self, cfg: TrainConfig, resume: bool, log) -> None:
         self.cfg, self.resume, self.log = cfg, resume, log
-        self.cleanup = _Cleanup(log)
+        self.cleanup = Cleanup(log)
         self.timings: dict[str, float] = {"warm_start": 0.0, "rollout": 0.0, "score": 0.0, "learn": 0.0,
                                           "sync": 0.0, "eval": 0.0, "checkpoint": 0.0}
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        _init_distributed(cfg)
-        self.run_dir = _prepare_run_dir(cfg, self.resume)
-        self.policy = _load_policy(cfg)
+        init_distributed(cfg)
+        self.run_dir = prepare_run_dir(cfg, self.resume)
+        self.policy = load_policy(cfg)
         self.train_tasks, self.eval_tasks = adapters.tasks(cfg)
         self.env_factory = adapters.env_factory(cfg)
         try:
@@ -286,7 +167,7 @@ class _Job:
             self.log(f"resumed from step {step} ({self.run_dir})")
         self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None)
         self.cleanup.push("metrics log", self.metrics.close)
-        self.stream = _TaskStream(self.train_tasks, cfg.seed, data_pos)
+        self.stream = TaskStream(self.train_tasks, cfg.seed, data_pos)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         self.history = [r for r in rows if r.get("kind") == "eval"]
         if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from jaxprm.train.config import ConfigError, load_config
-from jaxprm.train.loop import TrainError, _Cleanup, train
+from jaxprm.train.loop import TrainError, train
+from jaxprm.train.setup import Cleanup
 from jaxprm.train.rundir import read_metrics
 from rollout.testing import ScriptedServer, ServerScript, hashed_action_policy, make_test_tokenizer
 from tests.train import fault_scorers
@@ -81,7 +82,7 @@ def test_a_scorer_that_fails_at_startup_stops_the_run_and_closes_everything(tmp_
 
 def test_cleanup_runs_every_closer_and_keeps_the_original_error():
     order, logs = [], []
-    c = _Cleanup(logs.append)
+    c = Cleanup(logs.append)
 
     async def bad_async():
         order.append("scorers")

@@ -1,0 +1,129 @@
+"""What a training job sets up and tears down: the distributed runtime, the policy, the run
+directory, the stream of training tasks, and the ordered cleanup of everything it opened."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxprm.models import Transformer, load_model, tiny_config
+from jaxprm.train.config import TrainConfig, dump_yaml
+from jaxprm.train.policy import Policy
+
+__all__ = ["TrainError", "Cleanup", "TaskStream", "init_distributed", "load_policy", "prepare_run_dir"]
+
+
+class TrainError(RuntimeError):
+    """A run could not start or continue (bad model path, unreachable server, bad run dir ...)."""
+
+
+def init_distributed(cfg: TrainConfig) -> None:
+    d = cfg.distributed
+    if not d.enabled:
+        return
+    kw = {}
+    if d.coordinator_address is not None:
+        kw = dict(coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id)
+    try:
+        jax.distributed.initialize(**kw)
+    except Exception as e:
+        raise TrainError(f"distributed: jax.distributed.initialize failed: {e}") from e
+
+
+def load_policy(cfg: TrainConfig) -> Policy:
+    try:
+        model, tok = load_model(cfg.model.name, dtype=cfg.model.dtype, seed=cfg.seed)
+    except FileNotFoundError as e:
+        raise TrainError(f"model.name={cfg.model.name!r}: {e}") from None
+    if cfg.model.overrides:
+        if cfg.model.name != "tiny":
+            raise TrainError("model.overrides only applies to the 'tiny' preset")
+        try:
+            mc = tiny_config(vocab_size=tok.vocab_size, param_dtype=cfg.model.dtype).replace(**cfg.model.overrides)
+        except (TypeError, ValueError) as e:
+            raise TrainError(f"model.overrides: {e}") from None
+        model = Transformer(mc, rngs=nnx.Rngs(cfg.seed))
+    return Policy(model, tok)
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
+    run_dir = Path(cfg.run_dir)
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise TrainError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        return run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        base, i = run_dir, 1
+        while run_dir.exists() and any(run_dir.iterdir()):
+            run_dir = base.with_name(f"{base.name}-{i}")
+            i += 1
+        cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    return run_dir
+
+
+class TaskStream:
+    """Training tasks in a seeded permutation per pass; ``pos`` counts tasks consumed."""
+
+    def __init__(self, tasks: list, seed: int, pos: int = 0) -> None:
+        self.tasks, self.seed, self.pos = tasks, seed, pos
+
+    def take(self, n: int) -> list:
+        out = []
+        N = len(self.tasks)
+        for _ in range(n):
+            epoch, i = divmod(self.pos, N)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(N)
+            out.append(self.tasks[perm[i]])
+            self.pos += 1
+        return out
+
+
+class Cleanup:
+    """Closers of the run's resources, run in reverse order of opening; each runs even when another
+    fails. With an error in flight, the cleanup failures become notes on it (the caller sees the
+    original error); after a successful run they are logged."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+        self._stack: list[tuple[str, Any]] = []
+
+    def push(self, name: str, close) -> None:
+        self._stack.append((name, close))
+
+    async def aclose(self, error: BaseException | None) -> None:
+        failures = []
+        while self._stack:
+            name, close = self._stack.pop()
+            try:
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as e:
+                failures.append((name, e))
+        self._report(failures, error)
+
+    def close(self, error: BaseException | None) -> None:
+        """The same, outside an event loop (only synchronous closers may be registered by then)."""
+        failures = []
+        while self._stack:
+            name, close = self._stack.pop()
+            try:
+                close()
+            except Exception as e:
+                failures.append((name, e))
+        self._report(failures, error)
+
+    def _report(self, failures: list[tuple[str, Exception]], error: BaseException | None) -> None:
+        for name, e in failures:
+            msg = f"closing the {name} failed: {type(e).__name__}: {e}"
+            if error is not None:
+                error.add_note(msg)
+            else:
+                self.log(f"warning: {msg}")
