@@ -46,6 +46,7 @@ __all__ = [
     "WarmStartConfig",
     "EvalConfig",
     "CheckpointConfig",
+    "CompileCacheConfig",
     "MeshConfig",
     "DistributedConfig",
     "TrainConfig",
@@ -281,6 +282,16 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class CompileCacheConfig:
+    """JAX's persistent compilation cache: programs compiled by one run are loaded by the next on
+    the same machine (and JAX version) instead of being compiled again. ``enabled: false`` turns it
+    off; ``dir`` is where the compiled programs are kept."""
+
+    enabled: bool = True
+    dir: str = "~/.cache/jaxprm/xla"
+
+
+@dataclasses.dataclass
 class MeshConfig:
     """Device mesh for the train step: ``data`` x ``fsdp`` (-1 on one axis = all remaining)."""
 
@@ -311,6 +322,7 @@ class TrainConfig:
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    compile_cache: CompileCacheConfig = dataclasses.field(default_factory=CompileCacheConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     steps: int = 30

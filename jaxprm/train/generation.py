@@ -9,7 +9,6 @@ calling ``/update_weights_from_disk`` on each (through the rollout client's retr
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ def _copy(params: Any) -> Any:
 
 class Generation:
     """Owns the generation client (and the embedded server, if any). ``client``, ``prompts`` and
-    ``max_context`` are what rollouts need; ``sync_s`` accumulates the weight-sync time."""
+    ``max_context`` are what rollouts need."""
 
     def __init__(self, cfg: TrainConfig, policy: Policy, run_dir: Path, log) -> None:
         self.cfg, self.policy, self.run_dir, self.log = cfg, policy, run_dir, log
@@ -41,7 +40,6 @@ class Generation:
         self.client: GenerationClient | None = None
         self.prompts = PromptBuilder(policy.tokenizer)
         self.max_context = policy.config.max_position_embeddings
-        self.sync_s = 0.0
 
     async def start(self, *, resume_step: int = 0) -> None:
         """Start the embedded server or check the external ones; an external server that is behind a
@@ -66,7 +64,6 @@ class Generation:
 
     async def sync(self, step: int) -> None:
         """Serve the policy's current params as weight version ``step``."""
-        t0 = time.perf_counter()
         if self.server is not None:
             self.server.update_weights(_copy(self.policy.params), version=step)
         else:
@@ -77,7 +74,6 @@ class Generation:
             prev = out.parent / f"step-{step - 1}"
             if prev.exists():
                 shutil.rmtree(prev, ignore_errors=True)
-        self.sync_s += time.perf_counter() - t0
 
     async def aclose(self) -> None:
         """Close the client, then stop the embedded server (both even if the first fails)."""

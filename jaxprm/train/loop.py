@@ -41,6 +41,7 @@ from tqdm import tqdm
 import jaxprm
 from jaxprm.models import next_token_logprobs, save_pretrained
 from jaxprm.train import adapters, plots
+from jaxprm.train.compilation import PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.rundir import Checkpointer, MetricsLog, read_metrics
@@ -67,6 +68,8 @@ class Summary:
     last_eval: dict[str, Any] | None
     wall_s: float
     timings: dict[str, float]
+    compiled_programs: int = 0
+    compile_cache_hits: int = 0
 
     def describe(self) -> str:
         lines = [f"run dir: {self.run_dir}", f"steps: {self.steps}  wall: {self.wall_s:.0f}s"]
@@ -80,7 +83,9 @@ class Summary:
         if self.first_eval and self.last_eval:
             d = self.last_eval.get("success", 0.0) - self.first_eval.get("success", 0.0)
             lines.append(f"sampled success change: {d * 100:+.1f} points")
-        lines.append("time: " + ", ".join(f"{k}={v:.0f}s" for k, v in self.timings.items()))
+        parts = [f"{k.replace('_', ' ')} {v:.0f} s" for k, v in self.timings.items()]
+        lines.append(f"where the time went ({self.wall_s:.0f} s): " + ", ".join(parts)
+                     + f"; {self.compiled_programs} programs compiled, {self.compile_cache_hits} from the cache")
         return "\n".join(lines)
 
 
@@ -108,8 +113,7 @@ class _Job:
     def __init__(self, cfg: TrainConfig, resume: bool, log) -> None:
         self.cfg, self.resume, self.log = cfg, resume, log
         self.cleanup = Cleanup(log)
-        self.timings: dict[str, float] = {"warm_start": 0.0, "rollout": 0.0, "score": 0.0, "learn": 0.0,
-                                          "sync": 0.0, "eval": 0.0, "checkpoint": 0.0}
+        self.times = PhaseTimes()
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -141,12 +145,11 @@ class _Job:
         if self.resume and restore_step is None:
             self.log(f"resume: no checkpoint in {self.run_dir}; starting from step 0")
         if cfg.warm_start.enabled and restore_step is None:
-            t0 = time.perf_counter()
-            params, self.warm_report = warm_start(
-                cfg.warm_start, self.policy, self.train_tasks, env_factory=self.env_factory,
-                key_data=adapters.warm_start_key_data(cfg, self.policy.config), log=self.log)
+            with self.times.phase("warm_start"):
+                params, self.warm_report = warm_start(
+                    cfg.warm_start, self.policy, self.train_tasks, env_factory=self.env_factory,
+                    key_data=adapters.warm_start_key_data(cfg, self.policy.config), log=self.log)
             self.policy.params = params
-            self.timings["warm_start"] = time.perf_counter() - t0
         self.ref_params = None
         if cfg.advantage.kl_ctl > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.policy.params)
@@ -219,30 +222,28 @@ class _Job:
         return out
 
     async def run_eval(self, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        result = await evaluate(self.eval_tasks, client=self.gen.client, prompts=self.gen.prompts,
-                                env_factory=self.env_factory,
-                                settings=adapters.eval_settings(self.cfg, max_context=self.gen.max_context))
-        res = result.metrics
-        if self.prm is not None:  # scored for the metrics only (eval-rollout namespace), never learned from
-            scored = await score_groups(self.prm, result.groups, is_eval=True)
-            res["prm_rejected_groups"] = float(sum(scored.rejected.values()))
-            res.update(scored.metrics.summary())
-        dt = time.perf_counter() - t0
-        self.timings["eval"] += dt
-        res["eval_s"] = dt
+        with self.times.phase("eval") as span:
+            result = await evaluate(self.eval_tasks, client=self.gen.client, prompts=self.gen.prompts,
+                                    env_factory=self.env_factory,
+                                    settings=adapters.eval_settings(self.cfg, max_context=self.gen.max_context))
+            res = result.metrics
+            if self.prm is not None:  # scored for the metrics only (eval-rollout namespace), never learned from
+                scored = await score_groups(self.prm, result.groups, is_eval=True)
+                res["prm_rejected_groups"] = float(sum(scored.rejected.values()))
+                res.update(scored.metrics.summary())
+        res["eval_s"] = span.wall - span.compile
+        res["compile_s"] = span.compile
         row = self.metrics.log(step, "eval", res)
         self.history.append(row)
         return res
 
     def checkpoint(self, step: int) -> None:
-        t0 = time.perf_counter()
-        self.metrics.sync()  # rows of this step are durable before its checkpoint starts
-        tree = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
-        if self.ref_params is not None:
-            tree["ref"] = self.ref_params
-        self.ckpt.save(step, tree, {"step": step, "data_pos": self.stream.pos, "warm_start": self.warm_report})
-        self.timings["checkpoint"] += time.perf_counter() - t0
+        with self.times.phase("checkpoint"):
+            self.metrics.sync()  # rows of this step are durable before its checkpoint starts
+            tree = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
+            if self.ref_params is not None:
+                tree["ref"] = self.ref_params
+            self.ckpt.save(step, tree, {"step": step, "data_pos": self.stream.pos, "warm_start": self.warm_report})
 
     # -- main -----------------------------------------------------------------------------------
     async def train_step(self, step: int, scorer) -> dict[str, Any]:
@@ -251,18 +252,17 @@ class _Job:
         t0 = time.perf_counter()
         tasks = self.stream.take(cfg.rollout.tasks_per_step)
         branch_rejected: list[GroupRejected] = []
-        groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client, prompts=self.gen.prompts,
-                                  config=adapters.tree_config(cfg, max_context=self.gen.max_context),
-                                  scorer=scorer, group_seed=step * 10_000, rejected=branch_rejected)
+        with self.times.phase("rollout") as rollout:
+            groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
+                                      prompts=self.gen.prompts,
+                                      config=adapters.tree_config(cfg, max_context=self.gen.max_context),
+                                      scorer=scorer, group_seed=step * 10_000, rejected=branch_rejected)
         for r in branch_rejected:
             self.log(f"branch scorer rejected group {r.group_key}: {r}")
-        t1 = time.perf_counter()
-        self.timings["rollout"] += t1 - t0
         desc = describe_groups(groups)
         self._keep_example_tree(groups)
-        kept, rewards, fstats = await self.score(groups)
-        t2 = time.perf_counter()
-        self.timings["score"] += t2 - t1
+        with self.times.phase("score") as scoring:
+            kept, rewards, fstats = await self.score(groups)
         row: dict[str, Any] = {
             "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
             "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
@@ -275,15 +275,17 @@ class _Job:
         if branch_rejected:
             row["branch_rejected_groups"] = len(branch_rejected)
             row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
-        if kept:
-            row.update(self.learn(kept, rewards, step))
-        else:
-            self.state = dataclasses.replace(self.state, step=self.state.step + 1)
-            row["skipped"] = True
-        t3 = time.perf_counter()
-        self.timings["learn"] += t3 - t2
-        await self.gen.sync(step)
-        row.update(rollout_s=t1 - t0, learn_s=t3 - t2, step_s=time.perf_counter() - t0)
+        with self.times.phase("learn") as learning:
+            if kept:
+                row.update(self.learn(kept, rewards, step))
+            else:
+                self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+                row["skipped"] = True
+        with self.times.phase("sync") as sync:
+            await self.gen.sync(step)
+        spans = (rollout, scoring, learning, sync)
+        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile,
+                   compile_s=sum(sp.compile for sp in spans), step_s=time.perf_counter() - t0)
         self.metrics.log(step, "train", row)
         return row
 
@@ -307,10 +309,10 @@ class _Job:
 
     async def _run(self) -> Summary:
         cfg = self.cfg
-        t_start = time.perf_counter()
         self.gen = Generation(cfg, self.policy, self.run_dir, self.log)
         self.cleanup.push("generation server and client", self.gen.aclose)
-        await self.gen.start(resume_step=self.start_step)
+        with self.times.phase("setup"):
+            await self.gen.start(resume_step=self.start_step)
         self.prm = None
         if cfg.prm.active:
             try:
@@ -355,14 +357,14 @@ class _Job:
                 self.log(f"plots failed: {type(e).__name__}: {e}")
         if cfg.export_final:
             save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
-        self.timings["sync"] = self.gen.sync_s
         if first_eval is not None and "step" in first_eval:
             first_eval = {k: v for k, v in first_eval.items() if k != "kind"}
         if last_eval is not None:
             last_eval = {k: v for k, v in last_eval.items() if k != "kind"}
         summary = Summary(run_dir=str(self.run_dir), steps=cfg.steps, warm_start=self.warm_report,
-                          first_eval=first_eval, last_eval=last_eval, wall_s=time.perf_counter() - t_start,
-                          timings=self.timings)
+                          first_eval=first_eval, last_eval=last_eval,
+                          wall_s=time.perf_counter() - self.t_start, timings=dict(self.times.seconds),
+                          compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits)
         (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
         return summary
 
@@ -371,8 +373,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=None) -> Summary:
     """Run (or resume) a training job; see the module docstring."""
     log = log or (lambda msg: print(msg, flush=True))
     job = _Job(cfg, resume, log)
+    job.t_start = time.perf_counter()
+    if cfg.compile_cache.enabled:
+        enable_persistent_cache(cfg.compile_cache.dir)
     try:
-        job.setup()
+        with job.times.phase("setup"):
+            job.setup()
     except BaseException as err:
         job.cleanup.close(err)
         raise

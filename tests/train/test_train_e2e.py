@@ -41,7 +41,9 @@ def test_smoke_run_writes_every_output(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2]
-    assert {"loss", "reward", "success", "expanded", "pruned", "grad_norm"} <= set(train_rows[-1])
+    assert {"loss", "reward", "success", "expanded", "pruned", "grad_norm", "rollout_s", "learn_s",
+            "compile_s"} <= set(train_rows[-1])
+    assert "where the time went" in out.stdout and "programs compiled" in out.stdout
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2]
     assert {"success", "pass_at_2", "greedy_success", "turns", "response_tokens"} <= set(evals[0])
@@ -59,6 +61,9 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert model.config.vocab_size == tok.vocab_size
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["last_eval"]["step"] == 2
+    assert set(summary["timings"]) == {"setup", "warm_start", "compile", "rollout", "score", "learn", "sync", "eval",
+                                       "checkpoint"}
+    assert summary["compiled_programs"] > 0 and abs(sum(summary["timings"].values()) - summary["wall_s"]) < 0.2 * summary["wall_s"]
 
 
 @pytest.mark.slow

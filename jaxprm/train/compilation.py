@@ -1,0 +1,138 @@
+"""Compilation: a process-wide meter of every XLA compilation, and JAX's persistent cache.
+
+:data:`METER` adds up what ``jax.monitoring`` reports for each compiled program, in any thread (the
+sampler compiles in the embedded server's engine thread): tracing, lowering and the backend compile
+(a persistent-cache hit still reports a short backend "compile", its retrieval). ``snapshot()``
+gives running totals; the trainer takes differences around each phase, so the time a phase spent
+compiling can be reported apart from its real work.
+
+``enable_persistent_cache(dir)`` turns on JAX's persistent compilation cache, so that a second run
+on the same machine loads its programs instead of compiling them. :class:`PhaseTimes` attributes a
+run's wall time to its phases, with compilation as a phase of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+
+__all__ = ["CompileTotals", "METER", "PhaseTimes", "Span", "enable_persistent_cache"]
+
+_DURATIONS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+_BACKEND = "/jax/core/compile/backend_compile_duration"
+_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTotals:
+    """Programs compiled (``count``, cache hits included), of which ``cache_hits`` came from the
+    persistent cache, and the seconds spent tracing, lowering and compiling them."""
+
+    count: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+
+    def __sub__(self, other: CompileTotals) -> CompileTotals:
+        return CompileTotals(self.count - other.count, self.cache_hits - other.cache_hits,
+                             self.seconds - other.seconds)
+
+
+class _Meter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = CompileTotals()
+        self._installed = False
+
+    def install(self) -> None:
+        """Register the listeners (once per process)."""
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, name: str, seconds: float, **_) -> None:
+        if name in _DURATIONS:
+            with self._lock:
+                t = self._totals
+                self._totals = CompileTotals(t.count + (name == _BACKEND), t.cache_hits, t.seconds + seconds)
+
+    def _on_event(self, name: str, **_) -> None:
+        if name == _HIT:
+            with self._lock:
+                t = self._totals
+                self._totals = CompileTotals(t.count, t.cache_hits + 1, t.seconds)
+
+    def snapshot(self) -> CompileTotals:
+        self.install()
+        with self._lock:
+            return self._totals
+
+
+#: The process-wide compilation meter.
+METER = _Meter()
+
+
+def enable_persistent_cache(directory: str | Path, *, min_compile_time_s: float = 0.0) -> Path:
+    """Use JAX's persistent compilation cache in ``directory`` (created; ``~`` expanded) for every
+    program whose compilation takes at least ``min_compile_time_s``. Returns the directory."""
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@dataclasses.dataclass
+class Span:
+    """One timed phase: ``wall`` seconds in all, ``compile`` of them compiling (nested phases
+    included)."""
+
+    wall: float = 0.0
+    compile: float = 0.0
+    _child_wall: float = 0.0
+    _child_compile: float = 0.0
+
+
+class PhaseTimes:
+    """Where a run's time goes: wall seconds per phase with the compilation inside each phase moved
+    to ``compile`` (measured by :data:`METER`). Phases may nest (a nested phase's time is its own,
+    not its parent's). ``programs`` / ``cache_hits``: programs compiled / loaded from the cache."""
+
+    ORDER = ("setup", "warm_start", "compile", "rollout", "score", "learn", "sync", "eval", "checkpoint")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.ORDER, 0.0)
+        self.programs = 0
+        self.cache_hits = 0
+        self._stack: list[Span] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[Span]:
+        span = Span()
+        t0, c0 = time.perf_counter(), METER.snapshot()
+        self._stack.append(span)
+        try:
+            yield span
+        finally:
+            self._stack.pop()
+            dc = METER.snapshot() - c0
+            span.wall, span.compile = time.perf_counter() - t0, dc.seconds
+            own_compile = dc.seconds - span._child_compile
+            self.seconds[name] += span.wall - span._child_wall - own_compile
+            self.seconds["compile"] += own_compile
+            if self._stack:
+                self._stack[-1]._child_wall += span.wall
+                self._stack[-1]._child_compile += dc.seconds
+            else:
+                self.programs += dc.count
+                self.cache_hits += dc.cache_hits
