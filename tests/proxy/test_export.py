@@ -23,11 +23,11 @@ USER = {"role": "user", "content": "Map:\nP _\n_ G\nWhat is your move?"}
 
 
 async def _episode(srv, session, turns: int, reward: float | None = 1.0):
-    client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=session.api_key, max_retries=0)
-    msgs = [SYS, USER]
-    for i in range(turns):
-        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
-        msgs = [*msgs, r.choices[0].message.model_dump(), {"role": "user", "content": f"obs {i}"}]
+    async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=session.api_key, max_retries=0) as client:
+        msgs = [SYS, USER]
+        for i in range(turns):
+            r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8)
+            msgs = [*msgs, r.choices[0].message.model_dump(), {"role": "user", "content": f"obs {i}"}]
     if reward is not None:
         srv.proxy.set_reward(session, {"reward": reward})
 
@@ -133,6 +133,7 @@ def test_set_reward_transitions_and_hitl_survives_export(upstream):
                 a3 = (await http.post(srv.url + "/rl/set_reward", json={"reward": 1.0}, headers=admin_headers())).json()
                 ex2 = (await http.post(srv.url + "/export_trajectories", json={"session_ids": ["__hitl__"]},
                                        headers=admin_headers())).json()
+            await admin.close()
             return r1, r2, a1, a2, a3, ex1, ex2, srv.proxy.store.hitl
 
     r1, r2, a1, a2, a3, ex1, ex2, hitl = asyncio.run(go())

@@ -131,6 +131,7 @@ def test_linear_chat_keeps_earlier_turns_token_identical(upstream):
             recs = list(s.records.values())
             ans = await _reward(srv, s.api_key, {"reward": 1.0})
             out = await _export(srv, [s.id])
+            await client.close()
             return recs, ans, out
 
     recs, ans, out = asyncio.run(go())
@@ -161,6 +162,7 @@ def test_retry_forks_and_two_branches_from_one_prefix(upstream):
             await _chat(client, [*base, {"role": "user", "content": "right branch"}])
             recs = list(s.records.values())
             await _reward(srv, s.api_key, {"rewards": {recs[2].id: 1.0, recs[3].id: 0.0}})
+            await client.close()
             return recs, await _export(srv, [s.id])
 
     recs, out = asyncio.run(go())
