@@ -14,6 +14,10 @@
 6. New weights to the server: in-process swap (embedded) or ``save_pretrained`` +
    ``POST /update_weights_from_disk`` (external).
 7. Periodic held-out evaluation, metrics rows, checkpoints (orbax, async, keep last N).
+
+With ``rollout.source: agent`` steps 1-4 are ``jaxprm.train.agent_rollouts``: OpenAI-SDK agents run
+against the recording proxy (in-process, on loopback), which scores on export and returns rows.
+Held-out evaluation stays on the tree path (same environment, same prompts).
 """
 
 from __future__ import annotations
@@ -419,14 +423,26 @@ class _Job:
         return groups, rewards, stats
 
     def learn(self, groups, rewards, step: int) -> dict[str, float]:
-        import jaxprm
         from rollout.export import export_groups
-
-        from jaxprm.train.step import gather_logprobs, step_inputs
 
         batch, meta = export_groups(
             groups, process_rewards=rewards if self.prm is not None else None,
             row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
+        return self.learn_batch(batch, len(meta), step)
+
+    def learn_rows(self, rows, step: int) -> dict[str, float]:
+        """Learn from ``jaxprm.RowData`` rows (agent rollouts) through the same path as tree groups."""
+        import jaxprm
+
+        batch = jaxprm.pad_rows(rows, row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets),
+                                min_rows=self.capacity)
+        return self.learn_batch(batch, len(rows), step)
+
+    def learn_batch(self, batch, n_rows: int, step: int) -> dict[str, float]:
+        import jaxprm
+
+        from jaxprm.train.step import step_inputs
+
         if self.ref_params is not None:
             T = batch.tokens.shape[1]
             pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), batch.tokens.shape)
@@ -438,10 +454,10 @@ class _Job:
         self.state, m = self.step_fn(self.state, data, key)
         self.policy.params = self.state.params
         out = {k: float(v) for k, v in jax.device_get(m).items()}
-        out["rows"] = len(meta)
+        out["rows"] = n_rows
         out["seq_len"] = int(batch.tokens.shape[1])
         out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
-        if self.prm is not None:
+        if self.cfg.prm.active:
             pr = batch.process_rewards
             out["process_reward_mean"] = float(jnp.sum(pr) / jnp.maximum(batch.loss_mask.sum(), 1))
         return out
@@ -483,21 +499,29 @@ class _Job:
         t_start = time.perf_counter()
         await self.start_server()
         self.prm = None
+        self.agents = None
         if cfg.prm.active:
             from scorers import MetricsAccumulator, PRMRunner
 
             from jaxprm.train.compat import prm_config_dict
 
-            try:
-                self.prm = await PRMRunner.create(prm_config_dict(cfg))
-            except Exception as e:
-                raise TrainError(f"prm: could not build the scorers: {type(e).__name__}: {e}") from e
+            if cfg.rollout.source == "tree":  # agent rollouts are scored by the proxy on export
+                try:
+                    self.prm = await PRMRunner.create(prm_config_dict(cfg))
+                except Exception as e:
+                    raise TrainError(f"prm: could not build the scorers: {type(e).__name__}: {e}") from e
             self.prm_metrics = MetricsAccumulator()
         scorer = self.branch_scorer()
         first_eval = next((r for r in self.history), None)
         last_eval = self.history[-1] if self.history else None
         example_tree = None
         try:
+            if cfg.rollout.source == "agent":  # the recording proxy (jaxprm.train.agent_rollouts)
+                from jaxprm.train.agent_rollouts import AgentRollouts
+
+                self.agents = AgentRollouts(cfg, self.policy.tokenizer, self.client.config,
+                                            max_context_tokens=self.max_context, log=self.log)
+                await self.agents.start()
             if self.start_step == 0 and cfg.eval.at_start and not any(r["step"] == 0 for r in self.history):
                 res = await self.run_eval(0)
                 first_eval = last_eval = {"step": 0, **res}
@@ -509,38 +533,51 @@ class _Job:
                 step += 1
                 t0 = time.perf_counter()
                 tasks = self.stream.take(cfg.rollout.tasks_per_step)
-                groups = await run_groups(tasks, env_factory=self.env_factory, client=self.client, prompts=self.prompts,
-                                          config=self.tree_config(step), scorer=scorer, group_seed=step * 10_000)
-                t1 = time.perf_counter()
-                self.timings["rollout"] += t1 - t0
-                desc = describe_groups(groups)
-                if cfg.rollout.strategy != "flat":
-                    cand = max(groups, key=lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes))
-                    if example_tree is None or cand.stats.expanded + cand.stats.pruned >= \
-                            example_tree.stats.expanded + example_tree.stats.pruned:
-                        example_tree = cand
-                kept, rewards, fstats = await self.score(groups)
-                t2 = time.perf_counter()
-                self.timings["score"] += t2 - t1
-                row: dict[str, Any] = {
-                    "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
-                    "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
-                    "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
-                    "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
-                    "expanded": desc["expanded"], "pruned": desc["pruned"],
-                    "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
-                    "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
-                }
-                if kept:
-                    row.update(self.learn(kept, rewards, step))
+                if self.agents is not None:  # rollout.source: agent -- rollouts through the recording proxy
+                    res = await self.agents.rollout(tasks, step)
+                    t1 = t2 = time.perf_counter()
+                    self.timings["rollout"] += t1 - t0
+                    if cfg.prm.active:  # prm_stats of the exports, recorded after the export returned
+                        self.prm_metrics.merge(res.prm_metrics)
+                    row = dict(res.stats)
+                    if res.rows:
+                        row.update(self.learn_rows(res.rows, step))
+                    else:
+                        self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+                        row["skipped"] = True
                 else:
-                    self.state = dataclasses.replace(self.state, step=self.state.step + 1)
-                    row["skipped"] = True
+                    groups = await run_groups(tasks, env_factory=self.env_factory, client=self.client, prompts=self.prompts,
+                                              config=self.tree_config(step), scorer=scorer, group_seed=step * 10_000)
+                    t1 = time.perf_counter()
+                    self.timings["rollout"] += t1 - t0
+                    desc = describe_groups(groups)
+                    if cfg.rollout.strategy != "flat":
+                        cand = max(groups, key=lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes))
+                        if example_tree is None or cand.stats.expanded + cand.stats.pruned >= \
+                                example_tree.stats.expanded + example_tree.stats.pruned:
+                            example_tree = cand
+                    kept, rewards, fstats = await self.score(groups)
+                    t2 = time.perf_counter()
+                    self.timings["score"] += t2 - t1
+                    row: dict[str, Any] = {
+                        "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
+                        "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
+                        "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
+                        "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
+                        "expanded": desc["expanded"], "pruned": desc["pruned"],
+                        "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
+                        "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
+                    }
+                    if kept:
+                        row.update(self.learn(kept, rewards, step))
+                    else:
+                        self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+                        row["skipped"] = True
                 t3 = time.perf_counter()
                 self.timings["learn"] += t3 - t2
                 await self.sync_weights(step)
                 row.update(rollout_s=t1 - t0, learn_s=t3 - t2, step_s=time.perf_counter() - t0)
-                if self.prm is not None:
+                if cfg.prm.active:
                     row.update({f"prm/{k}": v for k, v in self.prm_metrics.summary().items()})
                     from scorers import MetricsAccumulator
 
@@ -570,6 +607,8 @@ class _Job:
 
                 save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
         finally:
+            if self.agents is not None:
+                await self.agents.close()
             if self.prm is not None:
                 await self.prm.aclose()
             await self.stop_server()

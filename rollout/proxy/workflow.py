@@ -68,12 +68,14 @@ def reward_body(result: Any) -> dict[str, Any]:
 @dataclasses.dataclass
 class GroupOutcome:
     """One group's result. ``status``: ``ok`` (rows), ``rejected`` (missing session or a scoring
-    failure: ``export.rejected`` says why) or ``agent_failed`` (discarded; ``errors`` per agent)."""
+    failure: ``export.rejected`` says why) or ``agent_failed`` (discarded; ``errors`` per agent).
+    ``results``: each agent's ``set_reward`` body (``None`` for a failed agent)."""
 
     group_id: str
     status: str
     export: ExportResult
     errors: list[str] = dataclasses.field(default_factory=list)
+    results: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
 
 
 async def run_agent_group(proxy: RecordingProxy, base_url: str, task: Any, task_id: str, group_size: int,
@@ -89,10 +91,12 @@ async def run_agent_group(proxy: RecordingProxy, base_url: str, task: Any, task_
     ids = [s.id for s in sessions]
     kw = dict(kwargs or {})
 
-    async def one(session) -> None:
+    async def one(session) -> dict[str, Any]:
         async with limiter if limiter is not None else contextlib.nullcontext():
             result = await asyncio.wait_for(workflow(task, base_url, session.api_key, http_client, **kw), timeout_s)
-        proxy.set_reward(session, reward_body(result))
+        body = reward_body(result)
+        proxy.set_reward(session, body)
+        return body
 
     try:
         results = await asyncio.gather(*(one(s) for s in sessions), return_exceptions=True)
@@ -100,11 +104,12 @@ async def run_agent_group(proxy: RecordingProxy, base_url: str, task: Any, task_
             if isinstance(r, asyncio.CancelledError):
                 raise r
         errors = [f"{s.id}: {type(r).__name__}: {r}" for s, r in zip(sessions, results) if isinstance(r, BaseException)]
+        bodies = [None if isinstance(r, BaseException) else r for r in results]
         if errors:
             res = await proxy.export({"session_ids": ids, "group_id": gid, "discard_trajectory": True})
-            return GroupOutcome(gid, "agent_failed", res, errors)
+            return GroupOutcome(gid, "agent_failed", res, errors, bodies)
         res = await proxy.export({"session_ids": ids, "group_id": gid, "discount": discount, "is_eval": is_eval})
-        return GroupOutcome(gid, "rejected" if res.rejected is not None else "ok", res)
+        return GroupOutcome(gid, "rejected" if res.rejected is not None else "ok", res, [], bodies)
     except BaseException:
         for s in sessions:
             proxy.store.remove(s)
