@@ -16,7 +16,7 @@ Routes (``Authorization: Bearer <key>``; PROXY.md has the full table):
                                         remove_session=true, discard_trajectory=false, is_eval=false}`` ->
                                         ``{rows: [...], prm_stats?, rejected?, discarded?}``
 ``GET /health``, ``/v1/models`` none    status / the served model id
-``GET /rl/stats``              admin    counters and the proxy's own time per turn
+``GET /rl/stats[?reset=1]``    admin    counters and the proxy's own time per turn (``reset``: clear those samples)
 =============================  =======  ===================================================================
 
 Errors use the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}`` so that the
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -125,6 +126,7 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
         return JSONResponse(out, status_code=201)
 
     async def chat_completions(request: Request):
+        t0 = time.perf_counter()
         key = _bearer(request)
         session = store.session_for_key(key)
         if session is None and not proxy.config.passthrough:
@@ -133,13 +135,16 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
         if session is not None:
             session.check_open()
         req = parse_chat_request(await _json(request))
-        rid, resp, message = await proxy.chat(session, req)
+        rid, resp, message, upstream_s = await proxy.chat(session, req)
         model = proxy.config.model_name
         if req.stream:
-            return StreamingResponse(stream_chunks(rid, model, resp, message, logprobs=req.logprobs,
-                                                   include_usage=req.include_usage, token_text=proxy.token_text),
-                                     media_type="text/event-stream")
-        return JSONResponse(chat_answer(rid, model, resp, message, logprobs=req.logprobs, token_text=proxy.token_text))
+            out = StreamingResponse(stream_chunks(rid, model, resp, message, logprobs=req.logprobs,
+                                                  include_usage=req.include_usage, token_text=proxy.token_text),
+                                    media_type="text/event-stream")
+        else:
+            out = JSONResponse(chat_answer(rid, model, resp, message, logprobs=req.logprobs, token_text=proxy.token_text))
+        proxy.overhead_s.append(time.perf_counter() - t0 - upstream_s)
+        return out
 
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/chat/completions", chat_completions, methods=["POST"])
@@ -177,7 +182,10 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
     @app.get("/rl/stats")
     async def stats(request: Request):
         admin(request)
-        return JSONResponse(proxy.stats())
+        out = proxy.stats()
+        if request.query_params.get("reset") in ("1", "true"):
+            proxy.overhead_s.clear()
+        return JSONResponse(out)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, exc: Exception):

@@ -16,7 +16,7 @@ from rollout.proxy.export import discounted_rewards
 from scorers import LengthBudgetScorer
 
 from . import proxy_scorers as ps
-from .conftest import ADMIN, admin_headers, key_headers, running_proxy
+from .conftest import ADMIN, admin_headers, running_proxy
 
 SYS = {"role": "system", "content": "FrozenLake: reach G."}
 USER = {"role": "user", "content": "Map:\nP _\n_ G\nWhat is your move?"}

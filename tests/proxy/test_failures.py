@@ -17,7 +17,7 @@ from rollout.proxy.app import create_app
 from rollout.testing import ScriptedServer, ServerScript, fixed_text_policy, make_test_tokenizer
 
 from . import proxy_scorers as ps
-from .conftest import ADMIN, admin_headers, key_headers, proxy_config, running_proxy
+from .conftest import ADMIN, key_headers, proxy_config, running_proxy
 
 SYS = {"role": "system", "content": "FrozenLake: reach G."}
 USER = {"role": "user", "content": "Map:\nP _\n_ G\nWhat is your move?"}

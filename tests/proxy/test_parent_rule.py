@@ -8,7 +8,6 @@ import asyncio
 import httpx
 import numpy as np
 import openai
-import pytest
 
 from rollout.chat import PromptBuilder
 from rollout.proxy.sessions import Session, normalize_message
