@@ -10,7 +10,9 @@ in-flight records are skipped). So a session is a tree: a retry or a fork makes 
 ``set_reward`` moves the session's completed, not yet trajectory-bound records into a **ready
 trajectory** (numbered 0, 1, ... per session). ``claim`` takes ready trajectories out of the
 session for an export; it is synchronous, so it runs under the event loop's atomicity (no await
-between reading and taking: a retried export of a consumed trajectory finds nothing).
+between reading and taking: a retried export of a consumed trajectory finds nothing). Consumed
+records stay in a session that is not removed (``__hitl__``, ``remove_session: false``) so that
+later turns still find their parent and stay token-identical; they are never exported again.
 
 All state lives on the event loop thread and is changed only in synchronous sections: concurrent
 sessions share nothing but the store's dictionaries.

@@ -149,3 +149,21 @@ def test_set_reward_transitions_and_hitl_survives_export(upstream):
     assert rec2.parent is hitl.records[r1.id]  # concat on the already exported parent: tokens extend it
     assert row2["tokens"][:len(row1["tokens"])] == row1["tokens"]
     assert sum(row2["loss_mask"]) == rec2.response.output_len  # the exported parent's turn is context here
+
+
+def test_a_child_that_does_not_extend_its_parent_masks_the_parent_and_counts_a_warning():
+    from rollout.proxy.export import concat_rows
+    from rollout.proxy.sessions import Session
+    from rollout.types import ModelResponse
+
+    s = Session("w-0", "k", task_id="w", group_id="w")
+    a = s.begin([SYS, USER], concat=True)
+    s.complete(a, ModelResponse(input_tokens=[1, 2, 3], output_tokens=[7, 8], output_logprobs=[-0.1, -0.2]), "a")
+    b = s.begin([SYS, USER, {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}], concat=True)
+    # b's prompt was re-rendered (token 9 where a generated 7): a's tokens are not in b's row
+    s.complete(b, ModelResponse(input_tokens=[1, 2, 3, 9, 8, 4], output_tokens=[5], output_logprobs=[-0.3]), "b")
+    assert b.parent is a
+    s.set_reward(reward=1.0)
+    (row,) = concat_rows("w-0", "w", 0, list(s.records.values()), discount=1.0, token_rewards=None)
+    assert row.masked_turns == 1 and row.tokens.tolist() == [1, 2, 3, 9, 8, 4, 5]
+    assert row.loss_mask.tolist() == [0, 0, 0, 0, 0, 0, 1] and row.turn_ids.tolist() == [-1] * 6 + [1]
