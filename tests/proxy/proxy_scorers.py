@@ -79,3 +79,16 @@ class BrokenScorer(BaseScorer):
 
     def __init__(self, **kw: Any) -> None:
         raise RuntimeError("broken scorer: cannot start")
+
+
+class FailingCloseScorer(BaseScorer):
+    """Its ``aclose`` fails (scorer cleanup failure at shutdown)."""
+
+    name = "failing_close"
+
+    async def evaluate(self, interaction, ctx):
+        return 0.0
+
+    async def aclose(self) -> None:
+        EVENTS.append(("aclose_failed", None))
+        raise OSError("cannot flush the audit log")

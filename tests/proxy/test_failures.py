@@ -267,3 +267,21 @@ def test_an_upstream_failure_is_a_502_and_leaves_no_record():
 
     status, s, ok = asyncio.run(go())
     assert status == 502 and list(s.records) == [ok.id] and s.inflight == 0
+
+
+def test_the_client_is_closed_even_when_scorer_cleanup_fails(upstream):
+    ps.reset()
+    handle, tok = upstream
+    prm = {"enabled": True, "scorers": [{"path": "tests.proxy.proxy_scorers.FailingCloseScorer"}]}
+
+    async def go():
+        proxy = RecordingProxy(proxy_config(handle.url, prm=prm), tok)
+        await proxy.startup()
+        client = proxy.client
+        with pytest.raises(ExceptionGroup) as err:
+            await proxy.shutdown()
+        return client, proxy, err.value
+
+    client, proxy, err = asyncio.run(go())
+    assert "cannot flush the audit log" in str(err.exceptions[0]) and ("aclose_failed", None) in ps.EVENTS
+    assert proxy.client is None and all(pool.is_closed for pool in client._pools)
