@@ -65,14 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.admin_key:
         print("error: --admin-key (or JAXPRM_PROXY_ADMIN_KEY) is required", file=sys.stderr)
         return 2
-    import uvicorn
-
     from rollout.client import ClientConfig
-    from rollout.proxy.app import create_app
     from rollout.proxy.config import ProxyConfig
-    from rollout.proxy.service import RecordingProxy
     from rollout.proxy.tokenize import load_tokenizer
 
+    bad = [u for u in args.upstream if not u.startswith(("http://", "https://"))]
+    if bad:
+        print(f"error: --upstream {bad[0]!r} must start with http:// or https://", file=sys.stderr)
+        return 2
     try:
         prm = load_prm_file(args.prm_config) if args.prm_config else None
         upstream = ClientConfig(endpoints=tuple(args.upstream), dialect=args.dialect, model=args.upstream_model,
@@ -86,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import uvicorn
+
+    from rollout.proxy.app import create_app  # imports the learner rows (jax): only once the arguments are good
+    from rollout.proxy.service import RecordingProxy
+
     logging.basicConfig(level=args.log_level.upper())
     app = create_app(RecordingProxy(config, tokenizer))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

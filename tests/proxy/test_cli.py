@@ -87,7 +87,10 @@ def test_cli_bad_arguments_fail_fast():
     out = subprocess.run([sys.executable, "-m", "rollout.proxy", "--upstream", "http://127.0.0.1:1", "--tokenizer",
                           "x:y"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--admin-key" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "rollout.proxy", "--upstream", "ftp://x", "--admin-key", "k",
-                          "--tokenizer", "/nonexistent"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rollout.proxy", "--upstream", "http://127.0.0.1:1", "--admin-key",
+                          "k", "--tokenizer", "/nonexistent"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 2 and "error:" in out.stderr
+    assert out.returncode == 2 and "--tokenizer '/nonexistent': not a directory" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "rollout.proxy", "--upstream", "ftp://x", "--admin-key", "k",
+                          "--tokenizer", "x:y"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "must start with http:// or https://" in out.stderr
