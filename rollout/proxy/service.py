@@ -143,7 +143,7 @@ class RecordingProxy:
         if scorers and config.chat_template_type != "concat":
             raise ValueError("process-reward scorers need chat_template_type 'concat'")
         self.config = config
-        self.store = SessionStore(config.admin_key, max_group_size=config.max_group_size)
+        self.store = SessionStore(config.admin_key, max_group_size=config.max_group_size, on_remove=self._forget)
         self.prompts = PromptMaker(tokenizer)
         self.tokenizer = tokenizer
         self._borrowed_scorers = list(scorers or [])
@@ -157,6 +157,11 @@ class RecordingProxy:
         self.counters = collections.Counter()
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._token_text_cache: dict[int, str] = {}
+
+    def _forget(self, session: Session) -> None:
+        """A removed session's sticky upstream route is released (the client's table stays small)."""
+        if self.client is not None:
+            self.client.release(session.id)
 
     # ------------------------------------------------------------------ lifecycle
 

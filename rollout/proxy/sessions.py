@@ -25,7 +25,7 @@ import math
 import numbers
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -289,9 +289,11 @@ def _finite(name: str, value: Any) -> float:
 class SessionStore:
     """All live sessions, by id and by key; groups; the ``__hitl__`` session; the stale sweep."""
 
-    def __init__(self, admin_key: str, *, max_group_size: int = 1024) -> None:
+    def __init__(self, admin_key: str, *, max_group_size: int = 1024,
+                 on_remove: Callable[[Session], None] | None = None) -> None:
         self.admin_key = admin_key
         self.max_group_size = max_group_size
+        self.on_remove = on_remove
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
         self.hitl = Session(HITL_SESSION, admin_key, task_id=HITL_SESSION, group_id=HITL_SESSION)
@@ -367,6 +369,8 @@ class SessionStore:
             del self.by_key[session.api_key]
         session.removed = True
         self.counters["sessions_removed"] += 1
+        if self.on_remove is not None:
+            self.on_remove(session)
         return True
 
     def sweep(self, timeout_s: float, *, now: float | None = None) -> list[str]:
