@@ -278,32 +278,24 @@ class RecordingProxy:
         """
         self._check_open("chat")
         concat = self.config.chat_template_type == "concat"
-        if session is not None:
-            rec: Record | None = session.begin(req.messages, concat=concat)
-            prompt = self.prompts.prompt(rec) if concat else self.prompts.fresh(req.messages)
-        else:
-            rec = None
-            prompt = self.prompts.fresh(req.messages)
-        room = None
-        if self.config.max_context_tokens is not None:
-            room = self.config.max_context_tokens - len(prompt)
-            if room < 1:
-                if rec is not None:
-                    session.abort(rec)
-                raise ProxyError(400, f"the prompt has {len(prompt)} tokens, which leaves no room for a response "
-                                      f"within max_context_tokens={self.config.max_context_tokens}", param="messages")
-        params = req.sampling(self.config.default_max_tokens, room)
-        route = session.id if session is not None else None
+        rec: Record | None = session.begin(req.messages, concat=concat) if session is not None else None
         try:
-            gen = await self.client.generate(prompt, params, route_key=route)
-        except GenerationError as e:
-            if rec is not None:
+            prompt = self.prompts.prompt(rec) if rec is not None and concat else self.prompts.fresh(req.messages)
+            room = None
+            if self.config.max_context_tokens is not None:
+                room = self.config.max_context_tokens - len(prompt)
+                if room < 1:
+                    raise ProxyError(400, f"the prompt has {len(prompt)} tokens, which leaves no room for a response "
+                                          f"within max_context_tokens={self.config.max_context_tokens}",
+                                     param="messages")
+            params = req.sampling(self.config.default_max_tokens, room)
+            gen = await self.client.generate(prompt, params, route_key=session.id if session is not None else None)
+        except BaseException as e:
+            if rec is not None:  # nothing is recorded for a turn that did not complete
                 session.abort(rec)
-            self.counters["upstream_errors"] += 1
-            raise ProxyError(502, f"upstream generation failed: {e}") from None
-        except BaseException:
-            if rec is not None:
-                session.abort(rec)
+            if isinstance(e, GenerationError):
+                self.counters["upstream_errors"] += 1
+                raise ProxyError(502, f"upstream generation failed: {e}") from None
             raise
         resp = gen.response
         text = gen.text if gen.text is not None else self.tokenizer.decode(resp.output_tokens.tolist())

@@ -141,3 +141,22 @@ def test_passthrough_forwards_unknown_keys_without_recording(upstream):
 
     r, stats, hitl = asyncio.run(go())
     assert r.choices[0].message.role == "assistant" and stats["passthrough"] == 1 and not hitl
+
+
+def test_refused_turns_leave_no_record(upstream):
+    async def go():
+        async with running_proxy(upstream, max_context_tokens=64) as srv:
+            _, (s,) = srv.proxy.start_session("ctx")
+            async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=s.api_key, max_retries=0) as client:
+                with pytest.raises(openai.BadRequestError, match="images and audio are not supported"):
+                    await client.chat.completions.create(model="m", messages=[
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+                with pytest.raises(openai.BadRequestError, match="leaves no room for a response"):
+                    await client.chat.completions.create(model="m", messages=[SYS, {"role": "user", "content": "x " * 80}])
+                parts = await client.chat.completions.create(model="m", max_tokens=4, messages=[
+                    {"role": "user", "content": [{"type": "text", "text": "Map:\n"}, {"type": "text", "text": "P G"}]}])
+            return s, parts
+
+    s, parts = asyncio.run(go())
+    assert list(s.records) == [parts.id] and s.inflight == 0  # only the good turn was recorded
+    assert parts.usage.prompt_tokens + parts.usage.completion_tokens <= 64
