@@ -11,9 +11,11 @@ conversations that grow every turn). Every turn's latency is timed around
 ``/v1/chat/completions`` ("direct") and once at the proxy ("proxy"); rounds alternate the two.
 
 Reported per concurrency: latency p50 / p99 of both, the overhead ``proxy - direct`` at p50 / p99,
-and the proxy's own work per turn as it measures it (``/rl/stats``: the handler's time outside the
-upstream call: parsing, the parent rule, concat tokenization, recording, the answer), p50 / p99.
-The JSON records the load average before and after (the machine may be shared).
+the proxy's own work per turn as it measures it (``/rl/stats``: the chat route's time outside the
+upstream call: parsing, the parent rule, concat tokenization, recording, the answer; under load it
+includes waiting for the event loop), p50 / p99, and the proxy process's CPU time per turn (all of
+it: HTTP server and client included; from ``/proc``, so robust to a shared machine). The JSON
+records the load average before and after (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -79,11 +81,20 @@ async def _agents(base_url: str, keys: list[str], turns: int, http) -> list[floa
     return lat
 
 
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``; ``None`` elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _pct(x: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(x) * 1e3, q))
 
 
-async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds: int) -> list[dict]:
+async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds: int, proxy_pid: int) -> list[dict]:
     import httpx
 
     out = []
@@ -93,6 +104,7 @@ async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds
         for n in agents:
             direct: list[float] = []
             proxied: list[float] = []
+            cpu = 0.0
             await _agents(up_url + "/v1", ["x"] * n, 2, http)  # warm-up: connections, code paths
             await http.get(px_url + "/rl/stats?reset=1", headers=admin)
             k = max(rounds, -(-200 // (n * turns)))  # at least ~200 turns per mode
@@ -101,7 +113,10 @@ async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds
                 start = await http.post(px_url + "/rl/start_session", json={"task_id": f"b{n}-{r}", "group_size": n},
                                         headers=admin)
                 sessions = start.json()["sessions"]
+                c0 = _cpu_s(proxy_pid)
                 proxied += await _agents(px_url + "/v1", [s["session_api_key"] for s in sessions], turns, http)
+                c1 = _cpu_s(proxy_pid)
+                cpu += (c1 - c0) if c0 is not None and c1 is not None else float("nan")
                 await http.post(px_url + "/export_trajectories", headers=admin, json={
                     "session_ids": [s["session_id"] for s in sessions], "discard_trajectory": True})
             stats = (await http.get(px_url + "/rl/stats?reset=1", headers=admin)).json()["overhead_ms"]
@@ -112,11 +127,13 @@ async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds
                 "overhead_p50_ms": _pct(proxied, 50) - _pct(direct, 50),
                 "overhead_p99_ms": _pct(proxied, 99) - _pct(direct, 99),
                 "proxy_own_p50_ms": stats["p50"], "proxy_own_p99_ms": stats["p99"],
+                "proxy_cpu_ms_per_turn": cpu * 1e3 / len(proxied),
             }
             out.append(row)
             print(f"{n:>6} {row['turns']:>6} {row['direct_p50_ms']:>9.2f} {row['direct_p99_ms']:>9.2f} "
                   f"{row['proxy_p50_ms']:>9.2f} {row['proxy_p99_ms']:>9.2f} {row['overhead_p50_ms']:>9.2f} "
-                  f"{row['overhead_p99_ms']:>9.2f} {row['proxy_own_p50_ms']:>9.2f} {row['proxy_own_p99_ms']:>9.2f}",
+                  f"{row['overhead_p99_ms']:>9.2f} {row['proxy_own_p50_ms']:>9.2f} {row['proxy_own_p99_ms']:>9.2f} "
+                  f"{row['proxy_cpu_ms_per_turn']:>9.2f}",
                   flush=True)
     return out
 
@@ -143,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
         _wait_up(px_url, procs[-1])
         print(f"{'agents':>6} {'turns':>6} {'direct50':>9} {'direct99':>9} {'proxy50':>9} {'proxy99':>9} "
-              f"{'ovh50':>9} {'ovh99':>9} {'own50':>9} {'own99':>9}   (ms per turn)")
-        rows = asyncio.run(_bench(up_url, px_url, args.agents, args.turns, args.rounds))
+              f"{'ovh50':>9} {'ovh99':>9} {'own50':>9} {'own99':>9} {'cpu/turn':>9}   (ms per turn)")
+        rows = asyncio.run(_bench(up_url, px_url, args.agents, args.turns, args.rounds, procs[-1].pid))
     finally:
         for proc in procs:
             proc.terminate()
