@@ -422,7 +422,9 @@ def _parse_vllm(data: dict[str, Any], *, require_tokens: bool):
         raise GenerationError(f"vLLM response has {len(ids)} token ids but {len(token_lps)} logprobs")
     if any(v is None for v in token_lps):
         raise GenerationError("vLLM response has a null logprob for a sampled token")
-    return ids, token_lps, finish, text, None, choice.get("prompt_token_ids")
+    wv_raw = data.get("weight_version")  # reported by the embedded jaxprm server (and SGLang's OpenAI routes)
+    wv = int(wv_raw) if isinstance(wv_raw, (int, str)) and str(wv_raw).isdigit() else None
+    return ids, token_lps, finish, text, wv, choice.get("prompt_token_ids")
 
 
 def _parse_sglang(data: Any, *, require_tokens: bool):

@@ -9,6 +9,8 @@ The server speaks both dialects the client uses, with the response shapes of the
 * SGLang ``POST /generate`` with ``input_ids`` / ``sampling_params`` / ``return_logprob``;
   the response carries ``text``, ``output_ids`` and ``meta_info`` with ``finish_reason``
   (``{"type": ..., "matched": ...}``) and ``output_token_logprobs`` (``[logprob, id, None]``).
+* OpenAI ``POST /v1/chat/completions`` (messages rendered with the chat template), so that an agent
+  can call the server directly (the proxy benchmark's baseline).
 
 What is generated is decided by a *policy* (a plain function of the prompt ids and the request's
 seed), so a run against it is deterministic. Faults are scripted on :class:`ServerScript`:
@@ -296,12 +298,31 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
             meta["input_token_logprobs"] = []
         return JSONResponse({"text": text, "output_ids": out, "meta_info": meta})
 
+    async def chat(request: Request):
+        body = await request.json()
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True))
+        req = {"seed": body.get("seed"), "max_tokens": int(body.get("max_tokens") or 16),
+               "temperature": body.get("temperature", 1.0)}
+        res, err = await _common(prompt, req)
+        if err is not None:
+            return err
+        out, finish, _ = res
+        return JSONResponse({
+            "id": f"chatcmpl-{script.requests}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "scripted"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": tokenizer.decode(out)},
+                         "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out),
+                      "total_tokens": len(prompt) + len(out)},
+        })
+
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
     ])
 

@@ -446,8 +446,9 @@ class PRMRunner:
 
         ``sessions``: ``(tree, ctx, leaf_ids)`` per session. Returns, in the same order, each
         session's ``SessionScores`` or the ``ScoringRejected`` that rejected it (a timeout is one of
-        ``kind="timeout"``); other errors and cancellation propagate (the other sessions are
-        cancelled first).
+        ``kind="timeout"``; any other error of one session, e.g. malformed input, is a rejection of
+        that session with the error as its cause). A failure never cancels the other sessions;
+        cancelling the caller cancels them all.
         """
         self._check_open()
         limit = asyncio.Semaphore(self.config.max_concurrent_sessions)
@@ -462,6 +463,10 @@ class PRMRunner:
                     return err
                 except TimeoutError:
                     return ScoringRejected(f"session rejected: scoring took longer than {timeout} s", kind="timeout")
+                except Exception as err:  # malformed input, a closing runner: this session only
+                    rejected = ScoringRejected(f"session rejected: {type(err).__name__}: {err}")
+                    rejected.__cause__ = err
+                    return rejected
 
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(*s)) for s in sessions]

@@ -37,6 +37,7 @@ __all__ = [
     "BranchScorerSpec",
     "RolloutConfig",
     "EnvConfig",
+    "AgentConfig",
     "ScorerSpec",
     "ShapingConfig",
     "PRMSection",
@@ -108,8 +109,14 @@ class BranchScorerSpec:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step."""
+    """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step.
 
+    ``source``: ``tree`` (the env is driven by ``rollout.tree``: flat / tree_random / patr) or
+    ``agent`` (an OpenAI-SDK agent, the ``agent`` section, runs against the recording proxy; flat
+    groups of ``group_size`` sessions only: PaTR must fork environment states, so it stays on the
+    tree path)."""
+
+    source: Literal["tree", "agent"] = "tree"
     strategy: Literal[STRATEGIES] = "patr"
     tasks_per_step: int = 8
     group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
@@ -159,6 +166,25 @@ class EnvConfig:
     train_tasks: int = 2048
     eval_tasks: int = 64
     seed: int = 0
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """Agent rollouts through the recording proxy (``rollout.source: agent``).
+
+    ``workflow``: ``package.module:function``, an ``async run(task, base_url, api_key, http_client,
+    **kwargs)`` written against the official ``openai`` SDK (``rollout.proxy.workflow``); ``kwargs``
+    are passed to it. ``timeout_s`` bounds one agent run; ``concurrency`` agents run at once.
+    ``discount``: the export's backward reward discount. ``chat_template_type``: ``concat`` (required
+    with process-reward scorers) or ``hf``. ``session_timeout_s``: idle sessions are swept."""
+
+    workflow: str = "rollout.agents.frozenlake_chat:run"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 600.0
+    concurrency: int = 64
+    discount: float = 1.0
+    chat_template_type: Literal["concat", "hf"] = "concat"
+    session_timeout_s: float = 3600.0
 
 
 @dataclasses.dataclass
@@ -315,6 +341,7 @@ class TrainConfig:
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     prm: PRMSection = dataclasses.field(default_factory=PRMSection)
     advantage: AdvantageSection = dataclasses.field(default_factory=AdvantageSection)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -518,6 +545,24 @@ def _as_spec(b: BranchScorerSpec):
     return _Spec(path=b.path, kwargs=b.kwargs)
 
 
+def validate_agent(cfg: TrainConfig) -> None:
+    """``rollout.source: agent`` rules: flat groups, a ``package.module:function`` workflow, bounds."""
+    ag = cfg.agent
+    _positive(ag, "agent", "timeout_s", "concurrency", "session_timeout_s")
+    _check(0 <= ag.discount <= 1, "agent.discount", f"must be in [0, 1], got {ag.discount}")
+    if cfg.rollout.source != "agent":
+        return
+    _check(cfg.rollout.strategy == "flat", "rollout.strategy",
+           f"rollout.source 'agent' runs flat groups (group_size sessions per task); got {cfg.rollout.strategy!r} "
+           "(allowed: 'flat'; PaTR and tree_random fork environment states and stay on rollout.source 'tree')")
+    mod, sep, fn = ag.workflow.partition(":")
+    _check(bool(mod) and sep == ":" and bool(fn) and ":" not in fn, "agent.workflow",
+           f"must look like package.module:function, got {ag.workflow!r}")
+    if cfg.prm.active:
+        _check(ag.chat_template_type == "concat", "agent.chat_template_type",
+               f"active process-reward scorers need 'concat', got {ag.chat_template_type!r}")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Range and cross-field checks; raises :class:`ConfigError` naming the key."""
     _check(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
@@ -531,6 +576,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if r.strategy != "flat":
         budget = r.max_branches or r.group_size
         _check(budget >= r.b0, "rollout.max_branches", f"the branch budget ({budget}) must be >= rollout.b0 ({r.b0})")
+    validate_agent(cfg)
     e = cfg.env
     _check(2 <= e.size <= 16, "env.size", f"must be in [2, 16], got {e.size}")
     _check(0 < e.p <= 1, "env.p", f"must be in (0, 1], got {e.p}")

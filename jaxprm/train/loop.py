@@ -17,6 +17,10 @@
    ``eval-rollout`` metrics namespace, but not learned from), metrics rows, checkpoints (orbax,
    async, keep last N).
 
+With ``rollout.source: agent`` steps 1-4 are ``jaxprm.train.agent_rollouts``: OpenAI-SDK agents run
+against the recording proxy (in-process, on loopback), which scores on export and returns rows.
+Held-out evaluation stays on the tree path (same environment, same prompts).
+
 Resources (checkpointer, metrics log, generation server and client, scorers) are closed in reverse
 order of opening, each even when another fails; an error that stops the run is what the caller sees,
 with cleanup failures attached to it as notes.
@@ -41,6 +45,7 @@ from tqdm import tqdm
 import jaxprm
 from jaxprm.models import next_token_logprobs, save_pretrained
 from jaxprm.train import adapters, plots
+from jaxprm.train.agent_rollouts import AgentRollouts
 from jaxprm.train.compilation import PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
@@ -202,6 +207,15 @@ class _Job:
         batch, meta = export_groups(
             groups, process_rewards=rewards if self.prm is not None else None,
             row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
+        return self.learn_batch(batch, len(meta), step)
+
+    def learn_rows(self, rows, step: int) -> dict[str, float]:
+        """Learn from ``jaxprm.RowData`` rows (agent rollouts) through the same path as tree groups."""
+        batch = jaxprm.pad_rows(rows, row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets),
+                                min_rows=self.capacity)
+        return self.learn_batch(batch, len(rows), step)
+
+    def learn_batch(self, batch, n_rows: int, step: int) -> dict[str, float]:
         if self.ref_params is not None:
             T = batch.tokens.shape[1]
             pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), batch.tokens.shape)
@@ -213,10 +227,10 @@ class _Job:
         self.state, m = self.step_fn(self.state, data, key)
         self.policy.params = self.state.params
         out = {k: float(v) for k, v in jax.device_get(m).items()}
-        out["rows"] = len(meta)
+        out["rows"] = n_rows
         out["seq_len"] = int(batch.tokens.shape[1])
         out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
-        if self.prm is not None:
+        if self.cfg.prm.active:
             pr = batch.process_rewards
             out["process_reward_mean"] = float(jnp.sum(pr) / jnp.maximum(batch.loss_mask.sum(), 1))
         return out
@@ -246,6 +260,28 @@ class _Job:
             self.ckpt.save(step, tree, {"step": step, "data_pos": self.stream.pos, "warm_start": self.warm_report})
 
     # -- main -----------------------------------------------------------------------------------
+    async def agent_step(self, step: int) -> dict[str, Any]:
+        """``rollout.source: agent``: agents through the recording proxy (scored on export) -> learn ->
+        weight sync; logs and returns the step's row."""
+        t0 = time.perf_counter()
+        tasks = self.stream.take(self.cfg.rollout.tasks_per_step)
+        with self.times.phase("rollout") as rollout:
+            res = await self.agents.rollout(tasks, step)
+        row = dict(res.stats)
+        row.update(res.prm_metrics.summary())  # the exports' prm_stats, recorded after they returned
+        with self.times.phase("learn") as learning:
+            if res.rows:
+                row.update(self.learn_rows(res.rows, step))
+            else:
+                self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+                row["skipped"] = True
+        with self.times.phase("sync") as sync:
+            await self.gen.sync(step)
+        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile,
+                   compile_s=rollout.compile + learning.compile + sync.compile, step_s=time.perf_counter() - t0)
+        self.metrics.log(step, "train", row)
+        return row
+
     async def train_step(self, step: int, scorer) -> dict[str, Any]:
         """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
         cfg = self.cfg
@@ -323,6 +359,13 @@ class _Job:
         scorer = adapters.branch_scorer(cfg)
         if scorer is not None:
             self.cleanup.push("branch scorer", scorer.aclose)
+        self.agents = None
+        if cfg.rollout.source == "agent":  # the recording proxy (jaxprm.train.agent_rollouts); scores on export
+            self.agents = AgentRollouts(cfg, self.policy.tokenizer, self.gen.client.config,
+                                        max_context_tokens=self.gen.max_context, log=self.log)
+            self.cleanup.push("recording proxy", self.agents.close)
+            with self.times.phase("setup"):
+                await self.agents.start()
         first_eval = next((r for r in self.history), None)
         last_eval = self.history[-1] if self.history else None
         self.example_tree = None
@@ -335,7 +378,7 @@ class _Job:
         step = self.start_step
         while step < cfg.steps:
             step += 1
-            row = await self.train_step(step, scorer)
+            row = await (self.agent_step(step) if self.agents is not None else self.train_step(step, scorer))
             if step % cfg.eval.every_steps == 0 or step == cfg.steps:
                 res = await self.run_eval(step)
                 last_eval = {"step": step, **res}

@@ -1,0 +1,167 @@
+"""OpenAI chat-completions requests in, OpenAI answers out (plain and streamed) for the proxy.
+
+``parse_chat_request`` validates a request body into :class:`ChatRequest` (each problem a
+``ProxyError`` 400 naming the field). Supported: ``messages`` (string or text-part contents),
+``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (extension),
+``seed``, ``n`` (1 only), ``stream`` with ``stream_options.include_usage``, ``logprobs`` (the
+sampled token's log-prob per token). ``stop`` strings are accepted and not applied: in concat mode
+the stop token ends a turn (a stop string would cut the recorded tokens). ``tools`` are refused
+(tool calls are not parsed: an agent that needs tools describes them in its prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from rollout.client import SamplingParams
+from rollout.proxy.config import ProxyError
+from rollout.types import ModelResponse
+
+__all__ = ["ChatRequest", "parse_chat_request", "chat_answer", "stream_chunks"]
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_REFUSED = {"tools": "tools are not supported (tool calls are not parsed); describe the tools in the prompt",
+            "functions": "functions are not supported (tool calls are not parsed)",
+            "response_format": "response_format is not supported (no constrained decoding)"}
+
+
+class ChatRequest:
+    """A validated chat request: its messages and what to sample."""
+
+    __slots__ = ("messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "include_usage",
+                 "logprobs", "model")
+
+    def __init__(self, messages: list[dict[str, Any]], *, max_tokens: int | None, temperature: float, top_p: float,
+                 top_k: int, seed: int | None, stream: bool, include_usage: bool, logprobs: bool, model: str | None):
+        self.messages = messages
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.seed = seed
+        self.stream = stream
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.model = model
+
+    def sampling(self, default_max_tokens: int, room: int | None = None) -> SamplingParams:
+        """Sampling params; ``max_tokens`` defaults to ``default_max_tokens`` and is clipped to ``room``."""
+        n = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        if room is not None:
+            n = min(n, room)
+        return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              seed=self.seed)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
+        raise ProxyError(400, f"{key} must be a number in [{lo}, {hi}], got {v!r}", param=key)
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], key: str, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ProxyError(400, f"{key} must be an integer >= {lo}, got {v!r}", param=key)
+    return int(v)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate an OpenAI chat-completions body (see the module docstring)."""
+    if not isinstance(body, Mapping):
+        raise ProxyError(400, "the request body must be a JSON object")
+    for key, why in _REFUSED.items():
+        if body.get(key):
+            raise ProxyError(400, why, param=key)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ProxyError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping):
+            raise ProxyError(400, f"messages[{i}] must be an object, got {type(m).__name__}", param="messages")
+        if m.get("role") not in _ROLES:
+            raise ProxyError(400, f"messages[{i}].role must be one of {list(_ROLES)}, got {m.get('role')!r}",
+                             param="messages")
+    n = body.get("n")
+    if n not in (None, 1):
+        raise ProxyError(400, f"n must be 1 (one recorded turn per call), got {n!r}", param="n")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    top_k = _int(body, "top_k", -1)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ProxyError(400, f"seed must be an integer, got {seed!r}", param="seed")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ProxyError(400, f"stream must be true or false, got {stream!r}", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, Mapping):
+        raise ProxyError(400, "stream_options must be an object", param="stream_options")
+    if body.get("top_logprobs"):
+        raise ProxyError(400, "top_logprobs is not supported (the upstream returns the sampled token's "
+                              "log-prob only); use logprobs: true", param="top_logprobs")
+    model = body.get("model")
+    return ChatRequest(
+        [dict(m) for m in msgs], max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=-1 if top_k is None else top_k, seed=seed, stream=stream,
+        include_usage=bool(opts.get("include_usage")), logprobs=bool(body.get("logprobs")),
+        model=model if isinstance(model, str) else None,
+    )
+
+
+def _finish(response: ModelResponse) -> str:
+    return "length" if response.stop_reason == "length" else "stop"
+
+
+def _logprobs(response: ModelResponse, token_text) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(response.output_tokens.tolist(), response.output_logprobs.tolist()):
+        s = token_text(t)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def _usage(response: ModelResponse) -> dict[str, int]:
+    p, c = response.input_len, response.output_len
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_answer(record_id: str, model: str, response: ModelResponse, message: Mapping[str, Any], *,
+                logprobs: bool, token_text, created: int | None = None) -> dict[str, Any]:
+    """The ``chat.completion`` object for a finished record (``id`` = the interaction id)."""
+    choice: dict[str, Any] = {"index": 0, "message": dict(message), "finish_reason": _finish(response),
+                              "logprobs": _logprobs(response, token_text) if logprobs else None}
+    return {"id": record_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": [choice], "usage": _usage(response)}
+
+
+def stream_chunks(record_id: str, model: str, response: ModelResponse, message: Mapping[str, Any], *,
+                  logprobs: bool, include_usage: bool, token_text) -> Iterator[bytes]:
+    """Server-sent events of a finished record: a role chunk, one content chunk, the finish chunk,
+    an optional usage chunk (``stream_options.include_usage``), then ``[DONE]``."""
+    created = int(time.time())
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        obj = {"id": record_id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": choices, **extra}
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    yield event([{"index": 0, "delta": {"content": message.get("content") or ""}, "finish_reason": None,
+                  "logprobs": _logprobs(response, token_text) if logprobs else None}])
+    yield event([{"index": 0, "delta": {}, "finish_reason": _finish(response)}])
+    if include_usage:
+        yield event([], usage=_usage(response))
+    yield b"data: [DONE]\n\n"
