@@ -2,7 +2,8 @@
 
 One topic per module: ``rewards`` (outcome placement, KL penalty, turn folding), ``gae``,
 ``normalize``, ``shaping`` (process-reward shaping), ``loss`` (clipped policy loss),
-``advantages`` (the whole reference order as one jitted program) and ``batch`` (padding, buckets).
+``advantages`` (the whole reference order as one jitted program), ``batch`` (padding, buckets)
+and ``packing`` (tree-packed batches and the exact packed loss).
 Imports jax, chex and numpy only; re-exported by ``jaxprm``.
 """
 
@@ -10,6 +11,16 @@ from jaxprm.learner.advantages import AdvantageConfig, Advantages, compute_advan
 from jaxprm.learner.batch import Batch, RowData, bucket_size, pad_rows
 from jaxprm.learner.gae import gae
 from jaxprm.learner.loss import PolicyLossTerms, policy_loss, policy_loss_terms
+from jaxprm.learner.packing import (
+    PackedAdvantages,
+    PackedBatch,
+    gather_to_flat,
+    pack_advantages,
+    pack_rows,
+    packed_logprobs,
+    packed_policy_loss,
+    tree_attention_mask,
+)
 from jaxprm.learner.normalize import group_normalize_rewards, masked_sum_count, normalize
 from jaxprm.learner.rewards import (
     check_uniform_turn_rewards,
@@ -25,6 +36,8 @@ __all__ = [
     "AdvantageConfig",
     "Advantages",
     "Batch",
+    "PackedAdvantages",
+    "PackedBatch",
     "PolicyLossTerms",
     "RowData",
     "bucket_size",
@@ -32,10 +45,15 @@ __all__ = [
     "compute_advantages",
     "fold_turn_rewards",
     "gae",
+    "gather_to_flat",
     "group_normalize_rewards",
     "kl_penalty",
     "masked_sum_count",
     "normalize",
+    "pack_advantages",
+    "pack_rows",
+    "packed_logprobs",
+    "packed_policy_loss",
     "pad_rows",
     "place_outcome_rewards",
     "policy_loss",
@@ -43,5 +61,6 @@ __all__ = [
     "shape_advantages",
     "shift_to_prediction",
     "transform_outcome_rewards",
+    "tree_attention_mask",
     "validate_process_rewards",
 ]

@@ -1,0 +1,462 @@
+"""Tree packing: the rows of a group that share a prefix are packed so each shared token appears once.
+
+A GRPO / PaTR group exports one flat row per leaf (root-to-leaf), so a turn shared by ``n`` leaves
+is forwarded ``n`` times. ``pack_rows`` merges the rows of each tree into a token trie laid out in
+depth-first order in one packed row (several small trees may share a packed row):
+
+* ``positions[j]``: the token's index in every flat row that contains it (RoPE position);
+* ``parents[j]``: the packed index of the previous token on its root path (-1 for a first token);
+* ``subtree_end[j]``: one past the last packed index of its subtree (DFS exit time). Query ``q``
+  may attend key ``k`` iff ``k <= q < subtree_end[k]``: ``k`` is on ``q``'s root path. Tokens of
+  other trees in the same row are never on it, so no segment ids are needed.
+
+Two rows share a token only if the whole prefix, the token, its loss mask and its behaviour
+log-prob are equal (tree strategies copy the parent's turns, so their shared turns always match).
+
+Per-token arrays of a ``PackedBatch`` are *token-aligned* (entry ``j`` is about token ``j`` itself,
+predicted from its root path), unlike the flat ``Batch``'s prediction positions: in a tree one
+position may be followed by several children. ``flat_index`` maps every flat prediction position
+``(b, t)`` (about token ``t + 1`` of row ``b``) to its packed slot.
+
+The loss stays exact (``pack_advantages`` + ``packed_policy_loss``): a shared token has one ratio
+``r`` but one advantage ``A_l`` per leaf ``l`` below it, and the clipped per-token loss is
+``pg(A, r) = -A+ f+(r) + A- f-(r)`` with ``f+(r) = min(r, 1 + eps_high)`` and
+``f-(r) = max(r, 1 - eps)`` (``min(., c_clip)`` with the dual clip), ``A+ = max(A, 0)``,
+``A- = max(-A, 0)``. So ``sum_l w_l pg(A_l, r) = -P f+(r) + N f-(r)`` with
+``P = sum_l w_l A_l+`` and ``N = sum_l w_l A_l-``: two numbers per packed token, plus the number
+of (token, leaf) pairs for the aggregation denominators and metrics. ``w_l`` is 1 for
+``token-mean`` and ``seq-mean-token-sum`` and ``1 / n_l`` (the leaf's active token count) for
+``seq-mean-token-mean``. Advantages themselves (KL reward, GAE with per-leaf values,
+normalization, process-reward shaping) are computed on the flat rows, where nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprm.learner._checks import check_2d_same, check_choice, check_float
+from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, RowData, bucket_size
+from jaxprm.learner.loss import LOSS_AGGREGATIONS
+
+__all__ = [
+    "PackedBatch",
+    "PackedAdvantages",
+    "pack_rows",
+    "pack_advantages",
+    "packed_policy_loss",
+    "packed_logprobs",
+    "gather_to_flat",
+    "tree_attention_mask",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Tree-packed learner batch (a JAX pytree; ``R`` packed rows of length ``L``).
+
+    Attributes:
+      tokens: ``int32 [R, L]`` token ids in depth-first order, 0 in padding.
+      positions: ``int32 [R, L]`` index of the token in the flat rows that contain it (RoPE).
+      parents: ``int32 [R, L]`` packed index (same row) of the previous token on the root path,
+        -1 for the first token of a tree and for padding.
+      subtree_end: ``int32 [R, L]`` DFS exit time: ``k`` is visible to ``q`` iff
+        ``k <= q < subtree_end[k]`` (padding: ``k + 1``, i.e. only itself).
+      loss_mask: ``float32 [R, L]`` token-aligned: 1 where at least one flat row trains on the token.
+      old_logprobs: ``float32 [R, L]`` token-aligned behaviour log-prob (0 where the mask is 0).
+      row_weights: ``float32 [R]`` 1 for packed rows holding a tree, 0 for padding rows.
+      lengths: ``int32 [R]`` packed tokens in each row (its trees fill ``[0, lengths[r])``).
+      flat_index: ``int32 [B, T]`` packed slot ``r * L + j`` of flat prediction position ``(b, t)``
+        (token ``t + 1`` of flat row ``b``), -1 where there is no such token.
+      flat_rows: ``int32 [B]`` the packed row holding flat row ``b``, -1 for flat padding rows.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    parents: jax.Array
+    subtree_end: jax.Array
+    loss_mask: jax.Array
+    old_logprobs: jax.Array
+    row_weights: jax.Array
+    lengths: jax.Array
+    flat_index: jax.Array
+    flat_rows: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)  # type: ignore[return-value]
+
+    def replace(self, **changes) -> PackedBatch:
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    PackedBatch, data_fields=[f.name for f in dataclasses.fields(PackedBatch)], meta_fields=[]
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building (numpy, on the host)
+
+
+def _shared_prefix(a: RowData, b: RowData) -> int:
+    """Length of the longest prefix on which token, loss mask and log-prob all agree."""
+    n = min(len(a.tokens), len(b.tokens))
+    if n == 0:
+        return 0
+    same = (np.asarray(a.tokens[:n]) == np.asarray(b.tokens[:n]))
+    same &= np.asarray(a.loss_mask[:n], np.float32) == np.asarray(b.loss_mask[:n], np.float32)
+    same &= np.asarray(a.logprobs[:n], np.float32) == np.asarray(b.logprobs[:n], np.float32)
+    bad = np.flatnonzero(~same)
+    return int(bad[0]) if bad.size else n
+
+
+@dataclasses.dataclass
+class _Tree:
+    """One tree before layout: per row, its node id per token; per node, token data."""
+
+    rows: list[int]  # flat row indices
+    slots: list[np.ndarray]  # per row: node id of each of its tokens
+    parent: np.ndarray  # [N] node id of the parent, -1 for roots
+    depth: np.ndarray  # [N]
+    token: np.ndarray
+    mask: np.ndarray
+    logprob: np.ndarray
+    order: np.ndarray  # [N] DFS pre-order of node ids
+    end: np.ndarray  # [N] DFS exit time (in pre-order positions) per node id
+
+
+def _build_tree(rows: Sequence[RowData], members: Sequence[int]) -> _Tree:
+    """Trie of the rows ``members`` (each row a chain; a new row branches off the row it shares
+    the longest prefix with), then its DFS layout."""
+    parent: list[np.ndarray] = []
+    depth: list[np.ndarray] = []
+    token: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+    logprob: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    # Segments: each row adds one chain of new nodes [first, first + length) attached at a node.
+    seg_first: list[int] = []
+    seg_len: list[int] = []
+    branches: dict[int, list[int]] = {}  # node id -> segments attached below it (insertion order)
+    roots: list[int] = []
+    n_nodes = 0
+    for i, b in enumerate(members):
+        row = rows[b]
+        L = len(row.tokens)
+        best, best_j = 0, -1
+        for j in range(i):
+            p = _shared_prefix(rows[members[j]], row)
+            if p > best:
+                best, best_j = p, j
+        new = L - best
+        ids = np.empty(L, np.int64)
+        if best:
+            ids[:best] = slots[best_j][:best]
+        ids[best:] = n_nodes + np.arange(new)
+        slots.append(ids)
+        if new:
+            attach = int(ids[best - 1]) if best else -1
+            par = np.concatenate([[attach], ids[best:-1]]) if new > 1 else np.array([attach])
+            parent.append(par)
+            depth.append(np.arange(best, L))
+            token.append(np.asarray(row.tokens[best:], np.int32))
+            mask.append(np.asarray(row.loss_mask[best:], np.float32))
+            logprob.append(np.asarray(row.logprobs[best:], np.float32))
+            seg = len(seg_first)
+            seg_first.append(n_nodes)
+            seg_len.append(new)
+            (roots if attach < 0 else branches.setdefault(attach, [])).append(seg)
+            n_nodes += new
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+    parent_a, depth_a = cat(parent, np.int64), cat(depth, np.int64)
+    # DFS pre-order over runs: a run is a stretch of a segment up to the next node with branches.
+    order = np.empty(n_nodes, np.int64)
+    end = np.empty(n_nodes, np.int64)
+    points = sorted(branches)
+    pos = 0
+    runs: list[tuple[int, int, int]] = []  # (first node, last node, start position)
+    run_parent: list[int] = []
+    stack = [(s, seg_first[s], -1) for s in reversed(roots)]
+    while stack:
+        seg, node, prun = stack.pop()
+        last_node = seg_first[seg] + seg_len[seg] - 1
+        k = np.searchsorted(points, node)
+        stop = points[k] if k < len(points) and points[k] <= last_node else last_node
+        n = stop - node + 1
+        order[pos:pos + n] = np.arange(node, stop + 1)
+        run = len(runs)
+        runs.append((node, stop, pos))
+        run_parent.append(prun)
+        pos += n
+        # Children of ``stop``: the rest of its segment first, then the branches (in order).
+        for s in reversed(branches.get(stop, [])):
+            stack.append((s, seg_first[s], run))
+        if stop < last_node:
+            stack.append((seg, stop + 1, run))
+    # Exit times: a run's tokens all end where the subtree of its last token ends.
+    run_end = [start + (last - first + 1) for first, last, start in runs]
+    for r in range(len(runs) - 1, -1, -1):
+        if run_parent[r] >= 0:
+            run_end[run_parent[r]] = max(run_end[run_parent[r]], run_end[r])
+    for (first, last, _), e in zip(runs, run_end):
+        end[first:last + 1] = e
+    return _Tree(rows=list(members), slots=slots, parent=parent_a, depth=depth_a, token=cat(token, np.int32),
+                 mask=cat(mask, np.float32), logprob=cat(logprob, np.float32), order=order, end=end)
+
+
+def pack_rows(
+    rows: Sequence[RowData],
+    *,
+    flat_shape: tuple[int, int],
+    trees: Sequence[Sequence[int]] | None = None,
+    row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS,
+    len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+    min_rows: int = 0,
+    min_len: int = 0,
+    trees_per_row: int | None = None,
+) -> PackedBatch:
+    """Pack token-aligned rows (as ``pad_rows`` takes them) into a ``PackedBatch``.
+
+    Args:
+      rows: the flat rows, in the order ``pad_rows`` put them in the flat batch of shape
+        ``flat_shape = (B, T)``.
+      trees: lists of row indices that may share prefixes (default: one tree per ``group_id``).
+      row_buckets, len_buckets, min_rows, min_len: packed rows ``R`` and length ``L`` are bucketed
+        like ``pad_rows`` (``L`` from the largest tree; trees are packed first-fit-decreasing
+        into rows of length ``L``).
+      trees_per_row: at most this many trees per packed row (default: no limit; 1 = one tree per
+        row).
+    Returns:
+      The ``PackedBatch``; its ``flat_index`` refers to the flat batch of shape ``flat_shape``.
+    """
+    B, T = flat_shape
+    if len(rows) > B:
+        raise ValueError(f"{len(rows)} rows do not fit a flat batch of {B} rows")
+    if any(len(r.tokens) > T for r in rows):
+        raise ValueError(f"a row is longer than the flat length T={T}")
+    if trees is None:
+        by_group: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_group.setdefault(int(r.group_id), []).append(i)
+        trees = list(by_group.values())
+    seen = sorted(i for t in trees for i in t)
+    if seen != list(range(len(rows))):
+        raise ValueError("trees must partition the row indices 0..len(rows)-1")
+    built = [_build_tree(rows, t) for t in trees]
+    sizes = [len(t.order) for t in built]
+    L = bucket_size(max(max(sizes, default=1), min_len, 1), len_buckets)
+    # First-fit decreasing into rows of length L.
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(built)), key=lambda i: -sizes[i]):
+        for k in range(len(bins)):
+            if sizes[i] <= room[k] and (trees_per_row is None or len(bins[k]) < trees_per_row):
+                bins[k].append(i)
+                room[k] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(L - sizes[i])
+    R = bucket_size(max(len(bins), min_rows, 1), row_buckets)
+
+    tokens = np.zeros((R, L), np.int32)
+    positions = np.zeros((R, L), np.int32)
+    parents = np.full((R, L), -1, np.int32)
+    subtree_end = np.tile(np.arange(1, L + 1, dtype=np.int32), (R, 1))
+    loss_mask = np.zeros((R, L), np.float32)
+    old_lp = np.zeros((R, L), np.float32)
+    weights = np.zeros((R,), np.float32)
+    lengths = np.zeros((R,), np.int32)
+    flat_index = np.full((B, T), -1, np.int32)
+    flat_rows = np.full((B,), -1, np.int32)
+    for r, members in enumerate(bins):
+        weights[r] = 1.0
+        offset = 0
+        for i in members:
+            t = built[i]
+            n = len(t.order)
+            where = np.empty(n, np.int64)  # packed position of each node id
+            where[t.order] = offset + np.arange(n)
+            sl = slice(offset, offset + n)
+            tokens[r, sl] = t.token[t.order]
+            positions[r, sl] = t.depth[t.order]
+            par = t.parent[t.order]
+            parents[r, sl] = np.where(par >= 0, where[np.maximum(par, 0)], -1)
+            subtree_end[r, sl] = offset + t.end[t.order]
+            loss_mask[r, sl] = t.mask[t.order]
+            old_lp[r, sl] = t.logprob[t.order] * t.mask[t.order]
+            for b, ids in zip(t.rows, t.slots):
+                flat_rows[b] = r
+                # Prediction position t is about token t + 1; token 0 is never predicted.
+                flat_index[b, : len(ids) - 1] = r * L + where[ids[1:]]
+            offset += n
+        lengths[r] = offset
+    # A token is trainable only where it is predicted (not a first token).
+    loss_mask = np.where(parents >= 0, loss_mask, 0.0).astype(np.float32)
+    old_lp = old_lp * loss_mask
+    return PackedBatch(
+        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), parents=jnp.asarray(parents),
+        subtree_end=jnp.asarray(subtree_end), loss_mask=jnp.asarray(loss_mask), old_logprobs=jnp.asarray(old_lp),
+        row_weights=jnp.asarray(weights), lengths=jnp.asarray(lengths), flat_index=jnp.asarray(flat_index), flat_rows=jnp.asarray(flat_rows),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels (jittable)
+
+
+def tree_attention_mask(subtree_end: jax.Array) -> jax.Array:
+    """``bool [R, L, L]``: ``mask[r, q, k] = k <= q < subtree_end[r, k]`` (k on q's root path)."""
+    L = subtree_end.shape[-1]
+    idx = jnp.arange(L)
+    return (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < subtree_end[:, None, :])
+
+
+def gather_to_flat(packed_values: jax.Array, flat_index: jax.Array) -> jax.Array:
+    """Flat ``[B, T]`` view of token-aligned packed values ``[R, L]``: ``out[b, t] =
+    packed_values.ravel()[flat_index[b, t]]`` (0 where ``flat_index`` is -1)."""
+    flat = packed_values.reshape(-1)
+    got = jnp.take(flat, jnp.maximum(flat_index, 0), axis=0)
+    return jnp.where(flat_index >= 0, got, jnp.zeros((), flat.dtype))
+
+
+def packed_logprobs(logits: jax.Array, tokens: jax.Array, parents: jax.Array) -> jax.Array:
+    """Token-aligned log-probs in a packed row: ``out[r, j] = log_softmax(logits[r, parents[r, j]])
+    [tokens[r, j]]`` in float32, 0 where ``parents`` is -1. Shapes: ``[R, L, V], [R, L], [R, L]
+    -> [R, L]``."""
+    R, L, V = logits.shape
+    par = jnp.maximum(parents, 0)
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [R, L]
+    flat = logits.reshape(R, L * V)
+    picked = jnp.take_along_axis(flat, (par * V + tokens.astype(jnp.int32)), axis=1).astype(jnp.float32)
+    out = picked - jnp.take_along_axis(lse, par, axis=1)
+    return jnp.where(parents >= 0, out, 0.0)
+
+
+class PackedAdvantages(NamedTuple):
+    """Per packed token (``[R, L]``, token-aligned) sums over the flat (token, leaf) pairs."""
+
+    pos: jax.Array  # sum_l w_l max(A_l, 0)
+    neg: jax.Array  # sum_l w_l max(-A_l, 0)
+    count: jax.Array  # number of (token, leaf) pairs
+    n_pos: jax.Array  # pairs with A_l > 0
+    n_neg: jax.Array  # pairs with A_l < 0
+    row_leaves: jax.Array  # [R] leaves with an active token in each packed row
+
+
+def pack_advantages(
+    advantages: jax.Array, mask: jax.Array, packed: PackedBatch, *, agg: str = "token-mean"
+) -> PackedAdvantages:
+    """Reduce flat per-(row, position) advantages onto the packed tokens.
+
+    With ``m`` the flat mask (``[B, T]``, e.g. ``loss_mask * row_weights``) and ``w_b`` = 1, or
+    ``1 / sum_t m[b, t]`` for ``agg="seq-mean-token-mean"``: ``pos[j] = sum_{(b, t) -> j} m w_b
+    max(A, 0)``, ``neg`` likewise with ``max(-A, 0)``, ``count[j] = sum m``, ``n_pos``/``n_neg``
+    the pairs with ``A > 0``/``A < 0``, ``row_leaves[r]`` the flat rows with an active entry
+    mapped to packed row ``r``. Segment sums over ``R * L`` slots.
+    """
+    check_choice("agg", agg, LOSS_AGGREGATIONS)
+    check_2d_same(advantages=advantages, mask=mask, flat_index=packed.flat_index)
+    check_float("advantages", advantages)
+    R, L = packed.tokens.shape
+    dt = jnp.result_type(advantages, jnp.float32)
+    A = jax.lax.stop_gradient(jnp.asarray(advantages, dt))
+    m = ((jnp.asarray(mask) > 0) & (packed.flat_index >= 0)).astype(dt)
+    n_row = jnp.sum(m, axis=1)
+    w = 1.0 / jnp.maximum(n_row, 1.0) if agg == "seq-mean-token-mean" else jnp.ones_like(n_row)
+    seg = jnp.where(m > 0, packed.flat_index, R * L).reshape(-1)
+
+    def ssum(x):
+        return jax.ops.segment_sum(x.reshape(-1), seg, num_segments=R * L + 1)[:-1].reshape(R, L)
+
+    mw = m * w[:, None]
+    row_of = jnp.where((n_row > 0) & (packed.flat_rows >= 0), packed.flat_rows, R)
+    return PackedAdvantages(
+        pos=ssum(mw * jnp.maximum(A, 0.0)),
+        neg=ssum(mw * jnp.maximum(-A, 0.0)),
+        count=ssum(m),
+        n_pos=ssum(m * (A > 0)),
+        n_neg=ssum(m * (A < 0)),
+        row_leaves=jax.ops.segment_sum(jnp.ones_like(n_row), row_of, num_segments=R + 1)[:-1],
+    )
+
+
+def packed_policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    adv: PackedAdvantages,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``jaxprm.policy_loss`` of the flat rows, computed on packed tokens (exact).
+
+    With ``r = exp(logprobs - old_logprobs)`` on tokens with ``count > 0``::
+
+        f+ = min(r, 1 + eps_clip_higher);   f- = max(r, 1 - eps_clip)   (min(f-, c_clip) if given)
+        loss_sum = sum_j (-pos_j f+ + neg_j f-)
+
+    ``loss_count`` is ``sum count`` for ``token-mean`` and ``sum row_leaves`` for the seq-mean
+    modes (whose ``1 / n_l`` weights ``pack_advantages`` already applied). Metrics match
+    ``policy_loss`` on the flat rows: ``clip_sum = sum n_pos [r > 1 + eps_high] + n_neg
+    [r < 1 - eps]``, ``dual_clip_sum = sum n_neg [max(r, 1 - eps) > c_clip]``, ``approx_kl_sum``
+    and ``ratio_sum`` weighted by ``count``, ``n_valid_tokens = sum count``.
+
+    Args:
+      logprobs, old_logprobs: ``[R, L]`` token-aligned (differentiable w.r.t. ``logprobs``).
+      adv: from ``pack_advantages`` with the same ``agg``.
+    """
+    check_choice("agg", agg, LOSS_AGGREGATIONS)
+    check_2d_same(logprobs=logprobs, old_logprobs=old_logprobs, pos=adv.pos, neg=adv.neg, count=adv.count)
+    check_float("logprobs", logprobs)
+    if c_clip is not None and not c_clip > 1.0:
+        raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
+    if eps_clip < 0 or (eps_clip_higher is not None and eps_clip_higher < 0):
+        raise ValueError(f"eps_clip / eps_clip_higher must be >= 0, got {eps_clip}, {eps_clip_higher}")
+    hi = eps_clip if eps_clip_higher is None else eps_clip_higher
+    active = adv.count > 0
+    dt = jnp.result_type(logprobs, jnp.float32)
+    logp = jnp.asarray(logprobs, dt)
+    log_ratio = jnp.where(active, logp - jax.lax.stop_gradient(jnp.asarray(old_logprobs, dt)), 0.0)
+    ratio = jnp.where(active, jnp.exp(log_ratio), 0.0)
+    f_pos = jnp.minimum(ratio, 1.0 + hi)
+    f_neg = jnp.maximum(ratio, 1.0 - eps_clip)
+    if c_clip is not None:
+        dual = jax.lax.stop_gradient(f_neg) > c_clip
+        f_neg = jnp.minimum(f_neg, c_clip)
+    else:
+        dual = jnp.zeros_like(active)
+    pg = jnp.where(active, -adv.pos * f_pos + adv.neg * f_neg, 0.0)
+    loss_sum = jnp.sum(pg)
+    n_valid = jnp.sum(adv.count)
+    loss_count = n_valid if agg == "token-mean" else jnp.sum(adv.row_leaves)
+    loss = loss_sum / jnp.maximum(loss_count, 1.0)
+    r = jax.lax.stop_gradient(ratio)
+    clip = adv.n_pos * (r > 1.0 + hi) + adv.n_neg * ((r < 1.0 - eps_clip) & active)
+    approx_kl = jnp.where(active, jnp.expm1(log_ratio) - log_ratio, 0.0)
+    sums = {
+        "clip_sum": jnp.sum(clip),
+        "dual_clip_sum": jnp.sum(adv.n_neg * dual),
+        "approx_kl_sum": jax.lax.stop_gradient(jnp.sum(adv.count * approx_kl)),
+        "ratio_sum": jnp.sum(adv.count * r),
+    }
+    denom = jnp.maximum(n_valid, 1.0)
+    metrics = {
+        "loss_sum": jax.lax.stop_gradient(loss_sum),
+        "loss_count": loss_count,
+        "n_valid_tokens": n_valid,
+        **sums,
+        "clip_fraction": sums["clip_sum"] / denom,
+        "dual_clip_fraction": sums["dual_clip_sum"] / denom,
+        "approx_kl": sums["approx_kl_sum"] / denom,
+        "ratio_mean": sums["ratio_sum"] / denom,
+    }
+    return loss, metrics
