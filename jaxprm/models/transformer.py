@@ -28,6 +28,9 @@ Call convention: ``logits, cache = model(tokens, positions, cache=None)``.
 * ``tokens`` int32 ``[B, T]`` (ids are clipped into ``[0, V)``), ``positions`` int32 ``[B, T]``
   absolute positions (RoPE angle and, with a cache, the cache slot).
 * Without a cache: query ``t`` attends keys ``s <= t`` (index-causal) whose position is ``>= 0``.
+  Tree-packed rows (``jaxprm.learner.packing``) pass ``subtree_end`` ``[B, T]`` instead: query
+  ``t`` attends key ``s`` iff ``s <= t < subtree_end[b, s]`` (``s`` is on ``t``'s root path), and
+  ``positions`` carry each token's depth (its position in the unpacked row) for RoPE.
   Padding convention: right-pad rows with any token and any position; causality keeps the padded
   tail from touching the real prefix. Left padding is also possible by giving the pad entries a
   negative position (they are then never attended). Outputs at pad entries are finite garbage.
@@ -202,10 +205,11 @@ class Transformer(nnx.Module):
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
+        subtree_end: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """``(logits float32 [B, T, V], updated cache or None)``."""
-        hidden, cache = self.hidden_states(tokens, positions, cache)
+        hidden, cache = self.hidden_states(tokens, positions, cache, subtree_end=subtree_end)
         return self.logits(hidden), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -214,12 +218,14 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
+        subtree_end: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states ``[B, T, D]`` (param dtype) and the updated cache.
 
         ``model.logits(h)`` turns (a gather of) them into logits: a sampler can project only the
-        last prompt position instead of materializing ``[B, T, V]``.
+        last prompt position instead of materializing ``[B, T, V]``. ``subtree_end`` (no cache
+        only) selects the tree-packed mask ``s <= t < subtree_end[b, s]``.
         """
         c = self.config
         if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -233,9 +239,14 @@ class Transformer(nnx.Module):
         cos, sin = rope_cos_sin(c, positions)
         params = self.layers.stacked()
 
+        if subtree_end is not None and (cache is not None or subtree_end.shape != tokens.shape):
+            raise ValueError(f"subtree_end {subtree_end.shape} must be [B, T] like tokens {tokens.shape} "
+                             "and needs cache=None")
         if cache is None:
             idx = jnp.arange(T)
             mask = (idx[None, :, None] >= idx[None, None, :]) & (positions[:, None, :] >= 0)
+            if subtree_end is not None:
+                mask = mask & (idx[None, :, None] < subtree_end.astype(jnp.int32)[:, None, :])
 
             def body(x, p):
                 return _layer(c, x, p, cos, sin, lambda q, k, v: attention(q, k, v, mask)), None
