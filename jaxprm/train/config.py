@@ -105,7 +105,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
-    export: Literal["concat", "individual"] = "concat"
+    export: Literal["concat", "individual", "tree_packed"] = "concat"  # tree_packed: shared prefixes forwarded once
     filter: Literal[
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
     ] = "none"
@@ -503,8 +503,9 @@ def validate_prm(cfg: TrainConfig) -> None:
         names.add(s.path)
     if not prm.active:
         return
-    _check(cfg.rollout.export == "concat", "rollout.export",
-           f"active process-reward scorers need concat export; got {cfg.rollout.export!r} (allowed: 'concat')")
+    _check(cfg.rollout.export in ("concat", "tree_packed"), "rollout.export",
+           f"active process-reward scorers need concat export; got {cfg.rollout.export!r} "
+           "(allowed: 'concat', 'tree_packed')")
     _check(cfg.advantage.token_rewards_as_adv, "advantage.token_rewards_as_adv",
            "active process-reward scorers need direct process advantages (true); folded mode is rejected")
     _check(cfg.server.token_backed, "server.token_backed",

@@ -420,6 +420,11 @@ class _Job:
 
     def learn(self, groups, rewards, step: int) -> dict[str, float]:
         import jaxprm
+
+        if self.cfg.rollout.export == "tree_packed":
+            from jaxprm.train.packed import learn_packed
+
+            return learn_packed(self, groups, rewards, step)
         from rollout.export import export_groups
 
         from jaxprm.train.step import gather_logprobs, step_inputs
