@@ -9,6 +9,11 @@ depth-first order in one packed row (several small trees may share a packed row)
 * ``subtree_end[j]``: one past the last packed index of its subtree (DFS exit time). Query ``q``
   may attend key ``k`` iff ``k <= q < subtree_end[k]``: ``k`` is on ``q``'s root path. Tokens of
   other trees in the same row are never on it, so no segment ids are needed.
+* ``query_blocks`` / ``key_blocks``: the same attention, block-sparse. Every packed token belongs to
+  the first flat row that contains it; that row's new tokens are cut into blocks of ``Q``
+  consecutive depths, and a block's keys are the row's first tokens up to the block's last depth
+  (key ``i`` at depth ``i``). Attention then costs about packed tokens x row length, where the
+  dense ``subtree_end`` mask costs packed length squared per row.
 
 Two rows share a token only if the whole prefix, the token, its loss mask and its behaviour
 log-prob are equal (tree strategies copy the parent's turns, so their shared turns always match).
@@ -71,6 +76,10 @@ class PackedBatch:
       old_logprobs: ``float32 [R, L]`` token-aligned behaviour log-prob (0 where the mask is 0).
       row_weights: ``float32 [R]`` 1 for packed rows holding a tree, 0 for padding rows.
       lengths: ``int32 [R]`` packed tokens in each row (its trees fill ``[0, lengths[r])``).
+      query_blocks: ``int32 [R, N, Q]`` slots of each attention block's queries (-1 = none); every
+        packed token is in exactly one block.
+      key_blocks: ``int32 [R, N, T]`` slots of the block's root path by depth (key ``i`` has depth
+        ``i``; -1 beyond it): query ``q`` attends keys ``i <= positions[q]``.
       flat_index: ``int32 [B, T]`` packed slot ``r * L + j`` of flat prediction position ``(b, t)``
         (token ``t + 1`` of flat row ``b``), -1 where there is no such token.
       flat_rows: ``int32 [B]`` the packed row holding flat row ``b``, -1 for flat padding rows.
@@ -84,6 +93,8 @@ class PackedBatch:
     old_logprobs: jax.Array
     row_weights: jax.Array
     lengths: jax.Array
+    query_blocks: jax.Array
+    key_blocks: jax.Array
     flat_index: jax.Array
     flat_rows: jax.Array
 
@@ -102,6 +113,8 @@ jax.tree_util.register_dataclass(
 
 # ---------------------------------------------------------------------------------------------
 # Building (numpy, on the host)
+
+_BLOCK_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def _shared_prefix(a: RowData, b: RowData) -> int:
@@ -122,6 +135,7 @@ class _Tree:
 
     rows: list[int]  # flat row indices
     slots: list[np.ndarray]  # per row: node id of each of its tokens
+    starts: list[int]  # per row: depth of its first own (not shared with an earlier row) token
     parent: np.ndarray  # [N] node id of the parent, -1 for roots
     depth: np.ndarray  # [N]
     token: np.ndarray
@@ -145,6 +159,7 @@ def _build_tree(rows: Sequence[RowData], members: Sequence[int]) -> _Tree:
     seg_len: list[int] = []
     branches: dict[int, list[int]] = {}  # node id -> segments attached below it (insertion order)
     roots: list[int] = []
+    starts: list[int] = []
     n_nodes = 0
     for i, b in enumerate(members):
         row = rows[b]
@@ -155,6 +170,7 @@ def _build_tree(rows: Sequence[RowData], members: Sequence[int]) -> _Tree:
             if p > best:
                 best, best_j = p, j
         new = L - best
+        starts.append(best)
         ids = np.empty(L, np.int64)
         if best:
             ids[:best] = slots[best_j][:best]
@@ -206,7 +222,7 @@ def _build_tree(rows: Sequence[RowData], members: Sequence[int]) -> _Tree:
             run_end[run_parent[r]] = max(run_end[run_parent[r]], run_end[r])
     for (first, last, _), e in zip(runs, run_end):
         end[first:last + 1] = e
-    return _Tree(rows=list(members), slots=slots, parent=parent_a, depth=depth_a, token=cat(token, np.int32),
+    return _Tree(rows=list(members), slots=slots, starts=starts, parent=parent_a, depth=depth_a, token=cat(token, np.int32),
                  mask=cat(mask, np.float32), logprob=cat(logprob, np.float32), order=order, end=end)
 
 
@@ -220,6 +236,7 @@ def pack_rows(
     min_rows: int = 0,
     min_len: int = 0,
     trees_per_row: int | None = None,
+    query_block: int = 64,
 ) -> PackedBatch:
     """Pack token-aligned rows (as ``pad_rows`` takes them) into a ``PackedBatch``.
 
@@ -232,6 +249,7 @@ def pack_rows(
         into rows of length ``L``).
       trees_per_row: at most this many trees per packed row (default: no limit; 1 = one tree per
         row).
+      query_block: queries per attention block ``Q``; the block count ``N`` is bucketed.
     Returns:
       The ``PackedBatch``; its ``flat_index`` refers to the flat batch of shape ``flat_shape``.
     """
@@ -275,6 +293,8 @@ def pack_rows(
     lengths = np.zeros((R,), np.int32)
     flat_index = np.full((B, T), -1, np.int32)
     flat_rows = np.full((B,), -1, np.int32)
+    Q = int(query_block)
+    blocks: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(R)]
     for r, members in enumerate(bins):
         weights[r] = 1.0
         offset = 0
@@ -291,19 +311,31 @@ def pack_rows(
             subtree_end[r, sl] = offset + t.end[t.order]
             loss_mask[r, sl] = t.mask[t.order]
             old_lp[r, sl] = t.logprob[t.order] * t.mask[t.order]
-            for b, ids in zip(t.rows, t.slots):
+            for b, ids, start in zip(t.rows, t.slots, t.starts):
                 flat_rows[b] = r
                 # Prediction position t is about token t + 1; token 0 is never predicted.
                 flat_index[b, : len(ids) - 1] = r * L + where[ids[1:]]
+                path = where[ids]
+                for d0 in range(start, len(ids), Q):
+                    d1 = min(d0 + Q, len(ids))
+                    blocks[r].append((path[d0:d1], path[:d1]))
             offset += n
         lengths[r] = offset
+    N = bucket_size(max(max(len(b) for b in blocks), 1), _BLOCK_BUCKETS)
+    query_blocks = np.full((R, N, Q), -1, np.int32)
+    key_blocks = np.full((R, N, T), -1, np.int32)
+    for r, bl in enumerate(blocks):
+        for i, (qs, ks) in enumerate(bl):
+            query_blocks[r, i, : len(qs)] = qs
+            key_blocks[r, i, : len(ks)] = ks
     # A token is trainable only where it is predicted (not a first token).
     loss_mask = np.where(parents >= 0, loss_mask, 0.0).astype(np.float32)
     old_lp = old_lp * loss_mask
     return PackedBatch(
         tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), parents=jnp.asarray(parents),
         subtree_end=jnp.asarray(subtree_end), loss_mask=jnp.asarray(loss_mask), old_logprobs=jnp.asarray(old_lp),
-        row_weights=jnp.asarray(weights), lengths=jnp.asarray(lengths), flat_index=jnp.asarray(flat_index), flat_rows=jnp.asarray(flat_rows),
+        row_weights=jnp.asarray(weights), lengths=jnp.asarray(lengths), query_blocks=jnp.asarray(query_blocks),
+        key_blocks=jnp.asarray(key_blocks), flat_index=jnp.asarray(flat_index), flat_rows=jnp.asarray(flat_rows),
     )
 
 

@@ -1,7 +1,7 @@
 """The tree-packed PPO step (``rollout.export: tree_packed``): each shared prefix forwarded once.
 
 ``PackedTrainStep`` is ``TrainStep`` over a ``jaxprm.PackedBatch``: the model sees packed rows with
-their depth positions and the ``subtree_end`` ancestor mask, log-probs are read at each token's
+their depth positions and block-sparse ancestor attention (``query_blocks`` / ``key_blocks``), log-probs are read at each token's
 parent position (``jaxprm.learner.packed_logprobs``) and the loss is ``jaxprm.packed_policy_loss``
 over the per-token advantage sums (``jaxprm.pack_advantages``), which equals the flat rows' loss,
 gradient and metrics (see ``jaxprm.learner.packing``). Advantages are computed on the flat batch,
@@ -40,7 +40,7 @@ def packed_step_inputs(packed: PackedBatch, batch, advantages: jax.Array, *, agg
     pa = jax.tree.map(lambda x: x * packed.row_weights.reshape((-1,) + (1,) * (x.ndim - 1)), pa)
     return {
         "tokens": packed.tokens, "positions": packed.positions, "parents": packed.parents,
-        "subtree_end": packed.subtree_end, "old_logprobs": packed.old_logprobs,
+        "query_blocks": packed.query_blocks, "key_blocks": packed.key_blocks, "old_logprobs": packed.old_logprobs,
         "row_weights": packed.row_weights, **pa._asdict(),
     }
 
@@ -72,7 +72,8 @@ def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb
 class PackedTrainStep(TrainStep):
     """``TrainStep`` over tree-packed rows (see the module docstring).
 
-    ``apply_fn(params, tokens, positions, subtree_end) -> logits`` (``Policy.apply_fn``);
+    ``apply_fn(params, tokens, positions, query_blocks=, key_blocks=) -> logits`` (``Policy.apply_fn``;
+    block-sparse tree attention, see ``Transformer``);
     ``loss_kwargs`` as ``TrainStep`` (eps_clip, eps_clip_higher, c_clip, agg); ``microbatch_tokens``
     bounds the packed tokens per gradient-accumulation chunk (a divisor of the minibatch rows).
     """
@@ -110,7 +111,8 @@ class PackedTrainStep(TrainStep):
         per_seq = kw.get("agg", "token-mean") != "token-mean"
 
         def micro_objective(params, mc, denom):
-            logits = self.apply_fn(params, mc["tokens"], mc["positions"], mc["subtree_end"])
+            logits = self.apply_fn(params, mc["tokens"], mc["positions"], query_blocks=mc["query_blocks"],
+                                   key_blocks=mc["key_blocks"])
             logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
             adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
             loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **kw)
@@ -212,6 +214,7 @@ _REF_CACHE: dict = {}
 def _packed_ref_logprobs(apply_fn, params, packed: PackedBatch) -> jax.Array:
     fn = _REF_CACHE.get(id(apply_fn))
     if fn is None:
-        fn = jax.jit(lambda p, t, q, e, par: packed_logprobs(apply_fn(p, t, q, e), t, par))
+        fn = jax.jit(lambda p, t, q, qb, kb, par: packed_logprobs(
+            apply_fn(p, t, q, query_blocks=qb, key_blocks=kb), t, par))
         _REF_CACHE[id(apply_fn)] = fn
-    return fn(params, packed.tokens, packed.positions, packed.subtree_end, packed.parents)
+    return fn(params, packed.tokens, packed.positions, packed.query_blocks, packed.key_blocks, packed.parents)

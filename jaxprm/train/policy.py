@@ -16,7 +16,7 @@ __all__ = ["Policy"]
 
 class Policy:
     """A split NNX model. ``apply_fn(params, tokens[B, T], positions[B, T]) -> logits[B, T, V]``
-    (``subtree_end=[B, T]`` for tree-packed rows, see ``Transformer``)."""
+    (tree-packed rows add ``subtree_end`` or ``query_blocks``/``key_blocks``, see ``Transformer``)."""
 
     def __init__(self, model: nnx.Module, tokenizer: Any = None) -> None:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -32,9 +32,9 @@ class Policy:
     def params(self, value: dict) -> None:
         self._params = value
 
-    def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array, subtree_end: jax.Array | None = None) -> jax.Array:
+    def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array, **attention: jax.Array) -> jax.Array:
         model = nnx.merge(self.graphdef, nnx.State(params), self.rest)
-        out = model(tokens, positions) if subtree_end is None else model(tokens, positions, subtree_end=subtree_end)
+        out = model(tokens, positions, **attention)
         return out[0] if isinstance(out, tuple) else out
 
     def module(self, params: dict | None = None) -> nnx.Module:

@@ -45,6 +45,18 @@ def test_layout_reconstructs_every_row(seed, trees_per_row):
             np.testing.assert_array_equal(np.flatnonzero(mask[r, q]), np.sort(path[: i + 1]))
         np.testing.assert_allclose(np.asarray(pk.loss_mask)[r, slots], row.loss_mask[1:])
         np.testing.assert_allclose(np.asarray(pk.old_logprobs)[r, slots], row.logprobs[1:] * row.loss_mask[1:])
+    # Attention blocks: each packed token is a query of exactly one block, whose keys are its root
+    # path by depth.
+    qb, kb = np.asarray(pk.query_blocks), np.asarray(pk.key_blocks)
+    for r in range(R):
+        qs = qb[r][qb[r] >= 0]
+        assert sorted(qs.tolist()) == list(range(int(np.asarray(pk.lengths)[r])))
+        for nb in range(qb.shape[1]):
+            for q in qb[r, nb][qb[r, nb] >= 0]:
+                path = [q]
+                while par[r, path[-1]] >= 0:
+                    path.append(par[r, path[-1]])
+                np.testing.assert_array_equal(kb[r, nb, : len(path)], path[::-1])
     # Every packed token is one distinct (group, prefix of (token, mask, log-prob)): nothing twice.
     keys = {b: list(zip(r.tokens.tolist(), r.loss_mask.tolist(), r.logprobs.tolist())) for b, r in enumerate(rows)}
     n_distinct = len({(r.group_id, tuple(keys[b][: i + 1])) for b, r in enumerate(rows) for i in range(len(r.tokens))})

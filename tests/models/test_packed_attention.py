@@ -1,5 +1,6 @@
-"""Tree-packed attention (``subtree_end``): every packed token's logits equal the logits of the same
-token in each flat row that contains it, for the tiny policy and a Qwen2-shaped model."""
+"""Tree-packed attention (the dense ``subtree_end`` mask and the block-sparse ``query_blocks`` /
+``key_blocks`` path): every packed token's logits equal the logits of the same token in each flat
+row that contains it, for the tiny policy and a Qwen2-shaped model."""
 
 import jax
 import jax.numpy as jnp
@@ -20,21 +21,23 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_packed_logits_equal_per_row_logits(name):
+@pytest.mark.parametrize("name,path", [("tiny", "dense"), ("tiny", "blocks"), ("qwen2", "blocks"), ("qwen2", "dense")])
+def test_packed_logits_equal_per_row_logits(name, path):
     config = CONFIGS[name]()
     model = Transformer(config, rngs=nnx.Rngs(0))
     rows = random_groups(5, groups=3, leaves=(2, 6), share=0.8, vocab=config.vocab_size, turns=4)
     flat = jaxprm.pad_rows(rows, len_buckets=(32, 64, 128))
-    pk = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=(32, 64, 128))
+    pk = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=(32, 64, 128), query_block=8)
     B, T = flat.shape
 
     @nnx.jit
-    def fwd(m, tokens, positions, subtree_end=None):
-        return m(tokens, positions, subtree_end=subtree_end)[0]
+    def fwd(m, tokens, positions, attn):
+        return m(tokens, positions, **attn)[0]
 
-    flat_logits = fwd(model, flat.tokens, jnp.broadcast_to(jnp.arange(T), (B, T)))
-    packed = fwd(model, pk.tokens, pk.positions, pk.subtree_end)
+    flat_logits = fwd(model, flat.tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), {})
+    attn = ({"subtree_end": pk.subtree_end} if path == "dense" else
+            {"query_blocks": pk.query_blocks, "key_blocks": pk.key_blocks})
+    packed = fwd(model, pk.tokens, pk.positions, attn)
     R, L, V = packed.shape
     fi = np.asarray(pk.flat_index)
     scale = float(jnp.abs(flat_logits).max())
@@ -56,3 +59,5 @@ def test_subtree_end_needs_matching_shape_and_no_cache():
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="subtree_end"):
         model(tokens, tokens, subtree_end=jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(ValueError, match="query_blocks"):
+        model(tokens, tokens, query_blocks=jnp.zeros((1, 2, 2), jnp.int32))

@@ -74,11 +74,11 @@ def test_packed_step_is_bucketed_and_does_not_recompile():
         rows = random_groups(seed, groups=3, leaves=(2, 6), share=0.8, vocab=64, turns=3)
         flat = jaxprm.pad_rows(rows, row_buckets=(32,), len_buckets=(64,), min_rows=32)
         packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, row_buckets=packed_row_buckets(2), len_buckets=(128,))
-        shapes.add(packed.shape)
+        shapes.add((packed.shape, packed.query_blocks.shape))
         adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True)).advantages
         state, m = step(state, packed_step_inputs(packed, flat, adv, agg="token-mean"), jax.random.key(seed))
         assert np.isfinite(float(m["loss"]))
-    assert step.compiles == len(shapes) == 1
+    assert step.compiles == len(shapes) <= 2  # one program per (length, block count) bucket
 
 
 @pytest.mark.slow
