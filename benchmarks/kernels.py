@@ -1,12 +1,18 @@
 """Learner-kernel throughput: jitted JAX vs float64 numpy vs eager PyTorch (AReaL-style).
 
     python -m benchmarks.kernels [--sizes 8x512,64x2048,256x8192] [--repeats 5] [--json PATH]
+                                 [--anchor REV]
 
 For each kernel and size it reports tokens/s (B*T per second) of the jitted float32 JAX kernel, of a
 float64 numpy implementation and (when torch is installed) of an eager float32 PyTorch version
 written the way the reference system does it (a Python loop over time for GAE, autograd for the
 loss). It also measures this machine's memory-copy bandwidth and reports each JAX kernel's achieved
 bytes/s (compulsory reads + writes, float32, masks as float32) as a fraction of it.
+
+``--anchor REV`` also times the JAX kernels of commit ``REV`` at each size right after the current
+ones (``benchmarks.anchor``), so a speed change is measured in one run; the JSON records the load
+average and, per size, the full-size copies / transposes in the compiled HLO of each GAE method
+and of ``compute_advantages``.
 """
 
 from __future__ import annotations
@@ -278,12 +284,41 @@ def torch_kernels(x):
 # ---------------------------------------------------------------------------------------------
 
 
-def run(sizes: list[tuple[int, int]], repeats: int) -> dict:
+def hlo_report(x: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
+    """Full-size ``copy`` / ``transpose`` instructions in the compiled GAE and compute_advantages."""
+    from benchmarks.anchor import hlo_copies
+
+    B, T = x["mask"].shape
+    d = {k: jnp.asarray(v) for k, v in x.items()}
+    out = {}
+    for m in ("scan", "associative", "cumsum"):
+        f = jax.jit(lambda r, v, mm, m=m: jaxprm.learner.gae(r, v, mm, method=m))
+        out[f"gae_{m}"] = hlo_copies(f.lower(d["rewards"], d["values"], d["mask"]).compile().as_text(), B * T)
+    from jaxprm.learner.advantages import _compute_advantages_jit
+
+    text = _compute_advantages_jit.lower(make_batch(x), E2E_CONFIG).compile().as_text()
+    out["compute_advantages"] = hlo_copies(text, B * T)
+    return out
+
+
+ANCHORED = ("gae_scan", "gae_associative", "gae_cumsum", "kl_k3", "normalize_batch", "normalize_group", "shape_gvpo",
+            "shape_process_weighted", "policy_loss_fwd_bwd", "compute_advantages")
+
+
+def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -> dict:
     bw = copy_bandwidth()
     rows = []
+    hlo = {}
+    src = None
+    if anchor:
+        from benchmarks.anchor import extract
+
+        src = extract(anchor)
+    load_before = os.getloadavg()
     for B, T in sizes:
         x = make_inputs(B, T)
         jk, nk, tk = jax_kernels(x), numpy_kernels(x), torch_kernels(x)
+        hlo[f"{B}x{T}"] = hlo_report(x)
         # The slow references get fewer repeats at large sizes.
         slow_repeats = max(1, repeats if B * T <= 1 << 17 else 2)
         for name, (fn, bytes_per_tok) in jk.items():
@@ -301,7 +336,23 @@ def run(sizes: list[tuple[int, int]], repeats: int) -> dict:
                 "fraction_of_copy_bw": bytes_per_tok * n / tj / bw,
             })
             print_row(rows[-1])
+        if src is not None:
+            from benchmarks.anchor import time_anchor
+
+            old = time_anchor(src, B, T, repeats, list(ANCHORED))
+            for r in rows:
+                if (r["B"], r["T"]) == (B, T) and r["kernel"] in old:
+                    r["anchor_ms"] = old[r["kernel"]] * 1e3
+                    r["speedup_vs_anchor"] = r["anchor_ms"] / r["jax_ms"]
+                    r["anchor_fraction_of_copy_bw"] = r["bytes_per_token"] * B * T / old[r["kernel"]] / bw
+                    print(f"  {r['kernel']:<22}{B}x{T}: anchor {r['anchor_ms']:.3f} ms -> {r['jax_ms']:.3f} ms "
+                          f"(x{r['speedup_vs_anchor']:.2f}; {100 * r['anchor_fraction_of_copy_bw']:.0f}% -> "
+                          f"{100 * r['fraction_of_copy_bw']:.0f}% of copy bandwidth)", flush=True)
     return {
+        "anchor": anchor,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "hlo_full_size_copies": hlo,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend(), "torch": None if torch is None else torch.__version__},
         "copy_bandwidth_GBps": bw / 1e9,
@@ -330,6 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sizes", default="8x512,64x2048,256x8192", help="comma-separated BxT sizes")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
+    ap.add_argument("--anchor", default=None,
+                    help="also time the JAX kernels of this git revision in the same run (e.g. the parent commit)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="PyTorch intra-op threads (default 1: its OpenMP pool stalls when cores are shared)")
     args = ap.parse_args(argv)
@@ -338,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.torch_threads)
     print(f"jax {jax.__version__} on {jax.default_backend()}; torch {getattr(torch, '__version__', 'absent')}")
     print(HEADER, flush=True)
-    result = run(sizes, args.repeats)
+    result = run(sizes, args.repeats, args.anchor)
     print(f"memory-copy bandwidth: {result['copy_bandwidth_GBps']:.1f} GB/s (read + write)")
     if args.json:
         with open(args.json, "w") as f:

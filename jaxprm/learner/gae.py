@@ -114,8 +114,47 @@ def _ctz(x: jax.Array) -> jax.Array:
     return jax.lax.population_count((x & (-x)) - 1)
 
 
+def _chunk_bits(valid: jax.Array, C: int) -> jax.Array:
+    """``int32 [B, n]``: bit ``s`` of chunk ``k`` is ``valid[:, k * C + s]`` (``valid [B, n * C]``)."""
+    B, T = valid.shape
+    s = jnp.arange(C, dtype=jnp.int32)
+    return jnp.sum(valid.reshape(B, T // C, C).astype(jnp.int32) << s, axis=-1, dtype=jnp.int32)
+
+
+def _next_set(valid: jax.Array) -> jax.Array:
+    """``int32 [B, n]``: the smallest ``j > k`` with ``valid[:, j]``, or ``n`` if none.
+
+    Groups of 16 as bit masks: inside a group the answer is a trailing-zero count; across groups
+    the same question one level up (``log16 n`` tiny levels, no sequential loop)."""
+    B, n = valid.shape
+    if n <= 1:
+        return jnp.full((B, n), n, jnp.int32)
+    G = _MAX_BLOCK
+    m = -(-n // G)
+    bits = _chunk_bits(jnp.pad(valid, ((0, 0), (0, m * G - n))), G)  # [B, m]
+    s = jnp.arange(G, dtype=jnp.int32)
+    after = jnp.right_shift(bits[..., None], s + 1)  # valid slots after k inside its group
+    inside = jnp.arange(m, dtype=jnp.int32)[:, None] * G + s + 1 + _ctz(jnp.where(after != 0, after, 1))
+    later = _next_set(bits != 0)  # [B, m]: next group with a valid slot
+    first = jnp.take_along_axis(bits, jnp.minimum(later, m - 1), axis=1)
+    cross = jnp.where(later < m, later * G + _ctz(jnp.where(first != 0, first, 1)), n)
+    out = jnp.where(after != 0, inside, cross[..., None]).reshape(B, m * G)[:, :n]
+    return jnp.minimum(out, n)
+
+
 def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
-    """``[B, T]`` advantages (see ``gae``); ``act`` bool with the last column off."""
+    """``[B, T]`` advantages (see ``gae``); ``act`` bool with the last column off.
+
+    With ``F(t)`` the first active step at or after ``t``, ``n(t)`` the active steps from ``t`` on,
+    ``e(t, s)`` the active steps in ``[t, s)`` and ``c = (1 - lam) / lam``, the GAE sum
+    telescopes (for ``lam >= 1/2``) to::
+
+        a_t = sum_{s >= t, active} g**e(t, s) (r_s + c v_s) - (1 + c) v_F(t) + gamma g**(n(t) - 1) boot
+
+    (0 when no step from ``t`` on is active): one blocked discounted suffix sum of a single array,
+    then a gather of ``v`` fused into the output. For ``lam < 1/2`` (``c`` would amplify rounding)
+    the per-step ``delta = r - v + gamma v_next`` is summed instead, with ``v_next`` gathered first.
+    """
     B, T = r.shape
     dt = r.dtype
     g = gamma * lam
@@ -125,66 +164,89 @@ def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
         r, v, act = jnp.pad(r, pad), jnp.pad(v, pad), jnp.pad(act, pad)
     n = Tp // C
     s = jnp.arange(C, dtype=jnp.int32)
-    a3 = act.reshape(B, n, C)
-    # Activity bits of each chunk, and K[t] = active steps in [t, chunk end).
-    bits = jnp.sum(a3.astype(jnp.int32) << s, axis=-1, dtype=jnp.int32)  # [B, n]
-    K = jax.lax.population_count(jnp.right_shift(bits[..., None], s))  # [B, n, C]
+    bits = _chunk_bits(act, C)  # [B, n]
+    K = jax.lax.population_count(jnp.right_shift(bits[..., None], s))  # [B, n, C]: actives in [t, chunk end)
+    # First active step of the chunks after k (Tp if none).
+    later = _next_set(bits != 0)
+    later_bits = jnp.take_along_axis(bits, jnp.minimum(later, n - 1), axis=1)
+    next_first = jnp.where(later < n, later * C + _ctz(jnp.where(later_bits != 0, later_bits, 1)), Tp)
+    chunk0 = jnp.arange(n, dtype=jnp.int32)[:, None] * C + s  # [n, C] step index
 
-    def deltas_with_values(_):
-        # v_next(t): the value at the first active step after t (bootstrap if none).
-        first = _ctz(jnp.where(bits != 0, bits, 1))  # first active offset of each chunk
-        first_v = jnp.take_along_axis(v.reshape(B, n, C), first[..., None], axis=2, mode="promise_in_bounds")[..., 0]
-        has = bits != 0
-        # Value entering chunk k from the right: first active value in chunks > k, else boot.
-        enter = _reverse_last_valid(first_v, has, boot, method, unroll)  # [B, n]
-        later = jnp.right_shift(bits[..., None], s + 1)  # actives after t in the chunk
-        offset = s + 1 + _ctz(jnp.where(later != 0, later, 1))
-        inside = jnp.take_along_axis(v.reshape(B, n, C), jnp.minimum(offset, C - 1), axis=2,
-                                     mode="promise_in_bounds")
-        v_next = jnp.where(later != 0, inside, enter[..., None]).reshape(B, Tp)
-        return jnp.where(act, r - v + gamma * v_next, 0.0)
+    def first_at_or_after(shift):
+        """Index of the first active step at or after ``t + shift`` (``Tp`` if none), ``[B, n, C]``."""
+        rest = jnp.right_shift(bits[..., None], s + shift)
+        inside = chunk0 + shift + _ctz(jnp.where(rest != 0, rest, 1))
+        return jnp.where(rest != 0, inside, next_first[..., None])
 
-    def deltas_without_values(_):
-        # All values and bootstraps are 0: v_next is 0 too.
-        return jnp.where(act, r, jnp.zeros((), dt))
+    def gather_v(idx):
+        flat = jnp.minimum(idx, Tp - 1).reshape(B, Tp)
+        return jnp.take_along_axis(v, flat, axis=1, mode="promise_in_bounds").reshape(B, n, C)
 
-    needs_values = jnp.any(act & (v != 0)) | jnp.any(boot != 0)
-    d3 = jax.lax.cond(needs_values, deltas_with_values, deltas_without_values, None).reshape(B, n, C)
+    values_matter = ~((jnp.max(v) == 0) & (jnp.min(v) == 0) & (jnp.max(boot) == 0) & (jnp.min(boot) == 0))
+    telescoped = lam >= 0.5
+    c = (1.0 - lam) / lam if telescoped else 0.0
+    if telescoped:
+        x = jnp.where(act, r + c * v, jnp.zeros((), dt)) if c else jnp.where(act, r, jnp.zeros((), dt))
+    else:
+        def with_values(_):
+            v_next = jnp.where(first_at_or_after(1) < Tp, gather_v(first_at_or_after(1)), boot[:, None, None])
+            return jnp.where(act, r - v + gamma * v_next.reshape(B, Tp), 0.0)
 
+        x = jax.lax.cond(values_matter, with_values, lambda _: jnp.where(act, r, jnp.zeros((), dt)), None)
+    S = _suffix_sum(x.reshape(B, n, C), K, g, C, method, unroll)  # [B, n, C]
+    if telescoped:
+        def add_values(S):
+            idx = first_at_or_after(0)
+            has = idx < Tp
+            count = K + _reverse_cumsum(jax.lax.population_count(bits))[..., None] - \
+                jax.lax.population_count(bits)[..., None]  # actives from t to the row end
+            tail = gamma * _powers(g, jnp.maximum(count - 1, 0), dt) * boot[:, None, None]
+            return jnp.where(has, S - (1.0 + c) * gather_v(idx) + tail, 0.0)
+
+        S = jax.lax.cond(values_matter, add_values, lambda S: S, S)
+    return S.reshape(B, Tp)[:, :T]
+
+
+def _suffix_sum(x, K, g, C, method, unroll):
+    """``S[t] = sum_{s >= t} g**e(t, s) x[s]`` over whole rows of ``x [B, n, C]`` (``K`` the actives
+    in ``[t, chunk end)``): one ``[C, C]`` triangular matmul per chunk, one carry per chunk."""
+    B, n, _ = x.shape
+    dt = x.dtype
+    s = jnp.arange(C)
     tri = (s[:, None] >= s[None, :]).astype(dt)  # tri[s, t] = [s >= t]: a reverse cumsum
     if g == 1.0:
-        local = jnp.einsum("bks,st->bkt", d3, tri)
-        adv = local + _reverse_affine(local[..., 0], None, method, unroll)[..., None]
-    else:
-        # Inside a chunk: sum_s g**(K_t - K_s) d_s = g**K_t * tri-sum of d_s g**-K_s, with
-        # g**-K_s <= g**-C <= 4 (gae_block_size); one step per chunk needs no matmul.
-        gk = _powers(g, K, dt)
-        local = d3 if C == 1 else gk * jnp.einsum("bks,st->bkt", d3 / gk, tri)
-        # Chunk k maps the advantage entering it from the right, A, to local + g**K * A.
-        enter = _reverse_affine(local[..., 0], gk[..., 0], method, unroll)
-        adv = local + gk * enter[..., None]
-    return adv.reshape(B, Tp)[:, :T]
+        local = jnp.einsum("bks,st->bkt", x, tri)
+        return local + _reverse_affine(local[..., 0], None, method, unroll)[..., None]
+    # Inside a chunk: sum_s g**(K_t - K_s) x_s = g**K_t * tri-sum of x_s g**-K_s, with
+    # g**-K_s <= g**-C <= 4 (gae_block_size); one step per chunk needs no matmul.
+    gk = _powers(g, K, dt)
+    local = x if C == 1 else gk * jnp.einsum("bks,st->bkt", x / gk, tri)
+    # Chunk k maps the sum entering it from the right, A, to local + g**K * A.
+    enter = _reverse_affine(local[..., 0], gk[..., 0], method, unroll)
+    return local + gk * enter[..., None]
 
 
 def _powers(g: float, k: jax.Array, dtype) -> jax.Array:
-    """``g ** k`` for small int ``k >= 0`` (``0 ** 0 = 1``)."""
+    """``g ** k`` for int ``k >= 0`` (``0 ** 0 = 1``)."""
     if g <= 0.0:
         return (k == 0).astype(dtype)
+    if g == 1.0:
+        return jnp.ones(k.shape, dtype)
     return jnp.exp(math.log(g) * k.astype(dtype))
 
 
 def _reverse_affine(start, decay, method, unroll):
     """``A[k] = start[k+1] + decay[k+1] * A[k+1]``, ``A[n-1] = 0`` over ``[B, n]`` (``decay`` None
-    means 1). Returns ``A`` (the advantage entering each chunk from its right)."""
+    means 1). Returns ``A`` (the sum entering each chunk from its right)."""
     B, n = start.shape
     dt = start.dtype
     if n == 1:
         return jnp.zeros_like(start)
+    if method == "cumsum" and decay is None:  # a reverse cumulative sum, blocked again
+        return _reverse_cumsum(start) - start
     # Shift by one chunk: the map applied before entering chunk k is chunk k+1's.
     st = jnp.concatenate([start[:, 1:], jnp.zeros((B, 1), dt)], axis=1).T  # time-major [n, B]
     dc = None if decay is None else jnp.concatenate([decay[:, 1:], jnp.ones((B, 1), dt)], axis=1).T
-    if method == "cumsum":  # gamma == lam == 1: a reverse cumulative sum, blocked again
-        return _reverse_cumsum(jnp.concatenate([start[:, 1:], jnp.zeros((B, 1), dt)], axis=1))
     if method == "associative":
         if dc is None:
             dc = jnp.ones_like(st)
@@ -197,7 +259,14 @@ def _reverse_affine(start, decay, method, unroll):
 
         _, out = jax.lax.associative_scan(compose, (dc, st), reverse=True, axis=0)
         return out.T
-    return _scan_affine(st, dc, unroll).T
+
+    def step(a, xs):
+        c, d = xs
+        a = c + (a if d is None else d * a)
+        return a, a
+
+    _, out = jax.lax.scan(step, jnp.zeros((B,), dt), (st, dc), reverse=True, unroll=min(unroll, n))
+    return out.T
 
 
 def _reverse_cumsum(x):
@@ -215,39 +284,3 @@ def _reverse_cumsum(x):
     tot = local[..., 0]
     after = _reverse_cumsum(tot) - tot  # sum over the blocks to the right
     return (local + after[..., None]).reshape(B, m * C)[:, :n]
-
-
-def _scan_affine(st, dc, unroll):
-    """Sequential ``A[k] = st[k] + dc[k] * A[k+1]`` over time-major ``[n, B]`` (``dc`` None: 1)."""
-    n, B = st.shape
-
-    def step(a, x):
-        c, d = x
-        a = c + (a if d is None else d * a)
-        return a, a
-
-    _, out = jax.lax.scan(step, jnp.zeros((B,), st.dtype), (st, dc), reverse=True, unroll=min(unroll, n))
-    return out
-
-
-def _reverse_last_valid(x, valid, boot, method, unroll):
-    """``out[k]`` = ``x`` at the first valid chunk ``> k`` (``boot`` if none), over ``[B, n]``."""
-    B, n = x.shape
-    xs = jnp.concatenate([x[:, 1:], jnp.zeros((B, 1), x.dtype)], axis=1).T
-    vs = jnp.concatenate([valid[:, 1:], jnp.zeros((B, 1), bool)], axis=1).T
-    if method == "associative":
-        def pick(later, earlier):
-            x1, v1 = later
-            x2, v2 = earlier
-            return jnp.where(v2, x2, x1), v1 | v2
-
-        out, found = jax.lax.associative_scan(pick, (xs, vs), reverse=True, axis=0)
-        return jnp.where(found, out, boot[None, :]).T
-
-    def step(cur, inp):
-        xv, ok = inp
-        cur = jnp.where(ok, xv, cur)
-        return cur, cur
-
-    _, out = jax.lax.scan(step, boot, (xs, vs), reverse=True, unroll=min(unroll, n))
-    return out.T
