@@ -86,7 +86,7 @@ def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, An
     tree = TreeConfig(strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k,
                       alpha=r.alpha, theta=r.theta, max_turns=e.max_turns, max_branches=r.max_branches or r.group_size,
                       refill=r.refill, group_mode=r.keep, seed=seed,
-                      sampling=SamplingParams(max_tokens=32, temperature=r.temperature, top_p=r.top_p))
+                      sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p))
     proc, url = _start_server(0.6)
     try:
         async def go():

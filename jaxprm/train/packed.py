@@ -11,7 +11,10 @@ Minibatches split packed rows (whole trees) instead of leaves; with one minibatc
 the update equals the flat one. Denominators: the minibatch's (token, leaf) pairs for
 ``token-mean``, its leaves with an active token for the seq-mean modes.
 
-``learn_packed(job, groups, rewards, step)`` is the trainer's learn step for this export.
+``learn_packed(job, groups, rewards, step)`` is the trainer's learn step for this export. When
+packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. flat groups whose
+leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
+costs gathers that only pay when tokens are actually shared.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import optax
 from jaxprm.learner.packing import PackedAdvantages, PackedBatch, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.train.step import TrainState, TrainStep
 
-__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets"]
+__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
 
+MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
 _SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
 
@@ -187,21 +191,35 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
         groups, process_rewards=rewards if job.prm is not None else None,
         row_buckets=(job.capacity,), len_buckets=tuple(cfg.ppo.len_buckets), min_rows=job.capacity,
         packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.len_buckets))
+    flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
+    use_packed = flat_tokens >= MIN_SHARING * packed_tokens
     if job.ref_params is not None:
-        ref = _packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed)
-        batch = batch.replace(ref_logprobs=jaxprm.learner.gather_to_flat(ref, packed.flat_index) * batch.loss_mask)
+        if use_packed:
+            ref = _packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed)
+            ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
+        else:
+            from jaxprm.train.loop import _ref_logprobs
+
+            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
+            ref = _ref_logprobs(job.policy.apply_fn, job.ref_params, batch.tokens, pos)
+        batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
     adv = jaxprm.compute_advantages(batch, job.adv_cfg)
-    data = packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg)
     key = jax.random.fold_in(job.base_key, step)
-    job.state, m = packed_step(job.state, data, key)
+    if use_packed:
+        job.state, m = packed_step(job.state, packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg), key)
+    else:
+        from jaxprm.train.step import step_inputs
+
+        job.state, m = job.step_fn(job.state, step_inputs(batch, adv.advantages), key)
     job.policy.params = job.state.params
     out = {k: float(v) for k, v in jax.device_get(m).items()}
+    out["packed_step"] = float(use_packed)
     out["rows"] = len(meta)
     out["seq_len"] = int(batch.tokens.shape[1])
     out["packed_rows"] = int((packed.row_weights > 0).sum())
     out["packed_len"] = int(packed.tokens.shape[1])
-    out["forwarded_tokens"] = int(packed.lengths.sum())
-    out["flat_tokens"] = int(batch.seq_lens.sum())
+    out["forwarded_tokens"] = packed_tokens if use_packed else flat_tokens
+    out["flat_tokens"] = flat_tokens
     out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
     if job.prm is not None:
         out["process_reward_mean"] = float(jnp.sum(batch.process_rewards) / jnp.maximum(batch.loss_mask.sum(), 1))
