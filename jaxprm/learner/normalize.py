@@ -102,7 +102,9 @@ def normalize(
         std_row = jnp.ones((B,), dtype)
         eps_eff = 0.0
     else:
-        sq_row = jnp.sum(centered * centered, axis=1)
+        # (x m - mean m) equals ``centered`` for 0/1 masks; written apart so that XLA fuses it into
+        # the reduction instead of materializing ``centered`` for two consumers (one pass less).
+        sq_row = jnp.sum(jnp.square(x * m - mean_row[:, None] * m), axis=1)
         ddof = 1.0 if unbiased else 0.0
         if std_level == "batch":
             n = jnp.sum(row_cnt)

@@ -64,7 +64,11 @@ def shape_advantages(
     p = jnp.asarray(process_rewards, dtype)
     active = jnp.asarray(mask) > 0
     if validate:
-        ok = validate_process_rewards(p, mask, mode=mode)
+        # One fused reduction (no [B, T] flag array): is any active reward invalid?
+        bad = ~jnp.isfinite(p)
+        if mode == "process_weighted":
+            bad = bad | (p < 0) | (p > 1)
+        ok = jnp.max(jnp.where(active & bad, 1.0, 0.0)) == 0
         rule = "in [0, 1]" if mode == "process_weighted" else "finite"
         assert_all(ok, f"shape_advantages(mode={mode!r}): process_rewards must be {rule} on every "
                         "active token (mask > 0)")
