@@ -35,6 +35,6 @@ def test_many_chunks_match_the_loop(gamma, lam):
 
 def test_block_size_bounds_the_scaling():
     assert gae_block_size(1.0, 1.0) == 16 and gae_block_size(0.99, 0.95) == 16
-    assert gae_block_size(0.9, 0.9) == 8 and gae_block_size(0.5, 1.0) == 2 and gae_block_size(0.9, 0.0) == 1
+    assert gae_block_size(0.9, 0.95) == 8 and gae_block_size(0.9, 0.9) == 4 and gae_block_size(0.5, 1.0) == 2 and gae_block_size(0.9, 0.0) == 1
     for g in (0.3, 0.6, 0.8, 0.92, 0.97):
         assert g ** -gae_block_size(g, 1.0) <= 4.0
