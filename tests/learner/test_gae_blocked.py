@@ -18,7 +18,7 @@ def _x64():
         yield
 
 
-@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.5), (0.95, 0.3), (0.8, 0.0), (0.5, 1.0)])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.95, 0.3), (0.5, 1.0)])
 def test_many_chunks_match_the_loop(gamma, lam):
     rng = np.random.default_rng(int(gamma * 100 + lam * 10))
     B, T = 5, 16 * 7 + 5  # several chunks and a ragged tail

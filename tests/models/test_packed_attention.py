@@ -21,7 +21,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name,path", [("tiny", "dense"), ("tiny", "blocks"), ("qwen2", "blocks"), ("qwen2", "dense")])
+@pytest.mark.parametrize("name,path", [("tiny", "dense"), ("tiny", "blocks"), ("qwen2", "blocks")])
 def test_packed_logits_equal_per_row_logits(name, path):
     config = CONFIGS[name]()
     model = Transformer(config, rngs=nnx.Rngs(0))
