@@ -69,13 +69,18 @@ def gae(
 
     Time is cut into chunks of ``C = gae_block_size(gamma, lam)`` steps. Inside a chunk the sum is
     one ``[C, C]`` triangular matmul over ``x_s g**-K_s`` (``K`` = active count to the chunk end,
-    so every weight ``g**(K_t - K_s)`` stays within ``g**-C <= 4``); ``v_next`` is one gather whose
-    index comes from each chunk's activity bits. Across chunks one carry per chunk remains
+    so every weight ``g**(K_t - K_s)`` stays within ``g**-C <= 4``). For ``lam >= 1/2`` the value
+    terms telescope (see ``_gae_blocked``): the sum runs over ``rewards + c values`` alone and the
+    value at the first active step from ``t`` on is gathered into the output; for smaller ``lam``
+    ``v_next`` is gathered first. Gather indices come from each chunk's activity bits (trailing-zero
+    counts), never from a sequential search. Across chunks one carry per chunk remains
     (``A_k = L_k + g**n_k A_{k+1}``), combined by ``method``: ``"scan"`` a sequential ``lax.scan``
     (``unroll`` steps per iteration), ``"associative"`` a ``lax.associative_scan`` (O(log) depth),
-    ``"cumsum"`` (only ``gamma == lam == 1``, the GRPO default) a reverse cumulative sum. When all
-    values and bootstraps are 0 (GRPO without a critic) the gather is skipped at run time. All
-    methods agree to float32 rounding (float64 inputs: to float64 rounding).
+    ``"cumsum"`` (only ``gamma == lam == 1``, the GRPO default) a reverse cumulative sum. With
+    ``g == 1`` the combine is a plain sum and every method uses the blocked cumulative sum (two
+    tiny matmul levels), so the methods differ only for ``g < 1``. When all values and bootstraps
+    are 0 (GRPO without a critic) the gather is skipped at run time. All methods agree to float32
+    rounding (float64 inputs: to float64 rounding).
 
     Args:
       rewards, values, mask: ``[B, T]`` (mask 0/1, any numeric dtype).
@@ -121,25 +126,13 @@ def _chunk_bits(valid: jax.Array, C: int) -> jax.Array:
     return jnp.sum(valid.reshape(B, T // C, C).astype(jnp.int32) << s, axis=-1, dtype=jnp.int32)
 
 
-def _next_set(valid: jax.Array) -> jax.Array:
-    """``int32 [B, n]``: the smallest ``j > k`` with ``valid[:, j]``, or ``n`` if none.
-
-    Groups of 16 as bit masks: inside a group the answer is a trailing-zero count; across groups
-    the same question one level up (``log16 n`` tiny levels, no sequential loop)."""
-    B, n = valid.shape
-    if n <= 1:
-        return jnp.full((B, n), n, jnp.int32)
-    G = _MAX_BLOCK
-    m = -(-n // G)
-    bits = _chunk_bits(jnp.pad(valid, ((0, 0), (0, m * G - n))), G)  # [B, m]
-    s = jnp.arange(G, dtype=jnp.int32)
-    after = jnp.right_shift(bits[..., None], s + 1)  # valid slots after k inside its group
-    inside = jnp.arange(m, dtype=jnp.int32)[:, None] * G + s + 1 + _ctz(jnp.where(after != 0, after, 1))
-    later = _next_set(bits != 0)  # [B, m]: next group with a valid slot
-    first = jnp.take_along_axis(bits, jnp.minimum(later, m - 1), axis=1)
-    cross = jnp.where(later < m, later * G + _ctz(jnp.where(first != 0, first, 1)), n)
-    out = jnp.where(after != 0, inside, cross[..., None]).reshape(B, m * G)[:, :n]
-    return jnp.minimum(out, n)
+def _next_first(bits: jax.Array, C: int, none: int) -> jax.Array:
+    """``int32 [B, n]``: the first active step in the chunks after ``k`` (``none`` if there is none):
+    an exclusive suffix minimum over the chunks (a parallel prefix over time-major ``[n, B]``)."""
+    B, n = bits.shape
+    first = jnp.where(bits != 0, jnp.arange(n, dtype=jnp.int32) * C + _ctz(jnp.where(bits != 0, bits, 1)), none)
+    after = jnp.concatenate([first[:, 1:], jnp.full((B, 1), none, jnp.int32)], axis=1)
+    return jax.lax.associative_scan(jnp.minimum, after.T, reverse=True, axis=0).T
 
 
 def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
@@ -167,9 +160,7 @@ def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
     bits = _chunk_bits(act, C)  # [B, n]
     K = jax.lax.population_count(jnp.right_shift(bits[..., None], s))  # [B, n, C]: actives in [t, chunk end)
     # First active step of the chunks after k (Tp if none).
-    later = _next_set(bits != 0)
-    later_bits = jnp.take_along_axis(bits, jnp.minimum(later, n - 1), axis=1)
-    next_first = jnp.where(later < n, later * C + _ctz(jnp.where(later_bits != 0, later_bits, 1)), Tp)
+    next_first = _next_first(bits, C, Tp)
     chunk0 = jnp.arange(n, dtype=jnp.int32)[:, None] * C + s  # [n, C] step index
 
     def first_at_or_after(shift):
@@ -242,7 +233,7 @@ def _reverse_affine(start, decay, method, unroll):
     dt = start.dtype
     if n == 1:
         return jnp.zeros_like(start)
-    if method == "cumsum" and decay is None:  # a reverse cumulative sum, blocked again
+    if decay is None:  # gamma * lam == 1: the combine is a plain suffix sum, blocked again
         return _reverse_cumsum(start) - start
     # Shift by one chunk: the map applied before entering chunk k is chunk k+1's.
     st = jnp.concatenate([start[:, 1:], jnp.zeros((B, 1), dt)], axis=1).T  # time-major [n, B]
