@@ -119,6 +119,13 @@ def _ctz(x: jax.Array) -> jax.Array:
     return jax.lax.population_count((x & (-x)) - 1)
 
 
+def _all_zero(x: jax.Array) -> jax.Array:
+    """``max(x) == 0 == min(x)`` in one variadic reduction (False for NaN)."""
+    lo, hi = jax.lax.reduce((x, x), (jnp.array(jnp.inf, x.dtype), jnp.array(-jnp.inf, x.dtype)),
+                            lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])), tuple(range(x.ndim)))
+    return (lo == 0) & (hi == 0)
+
+
 def _chunk_bits(valid: jax.Array, C: int) -> jax.Array:
     """``int32 [B, n]``: bit ``s`` of chunk ``k`` is ``valid[:, k * C + s]`` (``valid [B, n * C]``)."""
     B, T = valid.shape
@@ -173,7 +180,7 @@ def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
         flat = jnp.minimum(idx, Tp - 1).reshape(B, Tp)
         return jnp.take_along_axis(v, flat, axis=1, mode="promise_in_bounds").reshape(B, n, C)
 
-    values_matter = ~((jnp.max(v) == 0) & (jnp.min(v) == 0) & (jnp.max(boot) == 0) & (jnp.min(boot) == 0))
+    values_matter = ~(_all_zero(v) & _all_zero(boot))
     telescoped = lam >= 0.5
     c = (1.0 - lam) / lam if telescoped else 0.0
     if telescoped:
@@ -184,37 +191,45 @@ def _gae_blocked(r, v, act, boot, gamma, lam, C, method, unroll):
             return jnp.where(act, r - v + gamma * v_next.reshape(B, Tp), 0.0)
 
         x = jax.lax.cond(values_matter, with_values, lambda _: jnp.where(act, r, jnp.zeros((), dt)), None)
-    S = _suffix_sum(x.reshape(B, n, C), K, g, C, method, unroll)  # [B, n, C]
+    # The suffix sum S = local + g**K * enter is formed inside each branch, in the output's fusion.
+    parts = _suffix_sum(x.reshape(B, n, C), K, g, C, method, unroll)
     if telescoped:
-        def add_values(S):
+        def add_values(parts):
             idx = first_at_or_after(0)
             has = idx < Tp
             count = K + _reverse_cumsum(jax.lax.population_count(bits))[..., None] - \
                 jax.lax.population_count(bits)[..., None]  # actives from t to the row end
             tail = gamma * _powers(g, jnp.maximum(count - 1, 0), dt) * boot[:, None, None]
-            return jnp.where(has, S - (1.0 + c) * gather_v(idx) + tail, 0.0)
+            return jnp.where(has, _total(parts, K, g) - (1.0 + c) * gather_v(idx) + tail, 0.0)
 
-        S = jax.lax.cond(values_matter, add_values, lambda S: S, S)
+        S = jax.lax.cond(values_matter, add_values, lambda parts: _total(parts, K, g), parts)
+    else:
+        S = _total(parts, K, g)
     return S.reshape(B, Tp)[:, :T]
 
 
 def _suffix_sum(x, K, g, C, method, unroll):
-    """``S[t] = sum_{s >= t} g**e(t, s) x[s]`` over whole rows of ``x [B, n, C]`` (``K`` the actives
-    in ``[t, chunk end)``): one ``[C, C]`` triangular matmul per chunk, one carry per chunk."""
-    B, n, _ = x.shape
+    """Parts ``(local, enter)`` of ``S[t] = sum_{s >= t} g**e(t, s) x[s]`` over whole rows of
+    ``x [B, n, C]`` (``K`` the actives in ``[t, chunk end)``; ``S = _total(...)``): one ``[C, C]``
+    triangular matmul per chunk for ``local`` (the sum inside the chunk), one carry per chunk."""
     dt = x.dtype
     s = jnp.arange(C)
     tri = (s[:, None] >= s[None, :]).astype(dt)  # tri[s, t] = [s >= t]: a reverse cumsum
     if g == 1.0:
         local = jnp.einsum("bks,st->bkt", x, tri)
-        return local + _reverse_affine(local[..., 0], None, method, unroll)[..., None]
+        return local, _reverse_affine(local[..., 0], None, method, unroll)
     # Inside a chunk: sum_s g**(K_t - K_s) x_s = g**K_t * tri-sum of x_s g**-K_s, with
     # g**-K_s <= g**-C <= 4 (gae_block_size); one step per chunk needs no matmul.
     gk = _powers(g, K, dt)
     local = x if C == 1 else gk * jnp.einsum("bks,st->bkt", x / gk, tri)
     # Chunk k maps the sum entering it from the right, A, to local + g**K * A.
-    enter = _reverse_affine(local[..., 0], gk[..., 0], method, unroll)
-    return local + gk * enter[..., None]
+    return local, _reverse_affine(local[..., 0], gk[..., 0], method, unroll)
+
+
+def _total(parts, K, g):
+    """``local + g**K * enter`` (``enter`` broadcast over each chunk)."""
+    local, enter = parts
+    return local + (enter[..., None] if g == 1.0 else _powers(g, K, local.dtype) * enter[..., None])
 
 
 def _powers(g: float, k: jax.Array, dtype) -> jax.Array:

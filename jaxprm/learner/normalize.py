@@ -81,7 +81,7 @@ def normalize(
         n_seg = B if num_groups is None else int(num_groups)
         gid = jnp.asarray(group_ids, jnp.int32)
 
-    row_sum = jnp.sum(x * m, axis=1)
+    row_sum = jnp.einsum("bt,bt->b", x, m)  # a batched dot: no materialized x * m
     row_cnt = jnp.sum(m, axis=1)
 
     # Mean per row.

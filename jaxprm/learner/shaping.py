@@ -21,7 +21,7 @@ def validate_process_rewards(process_rewards: jax.Array, mask: jax.Array, *, mod
     check_choice("mode", mode, SHAPING_MODES)
     p = jnp.asarray(process_rewards)
     active = jnp.asarray(mask) > 0
-    ok = jnp.isfinite(p)
+    ok = jnp.abs(p) < jnp.inf  # finite
     if mode == "process_weighted":
         ok = ok & (p >= 0) & (p <= 1)
     return jnp.all(ok | ~active, axis=-1)
@@ -65,7 +65,7 @@ def shape_advantages(
     active = jnp.asarray(mask) > 0
     if validate:
         # One fused reduction (no [B, T] flag array): is any active reward invalid?
-        bad = ~jnp.isfinite(p)
+        bad = ~(jnp.abs(p) < jnp.inf)  # non-finite (a compare: XLA's is-finite is not vectorized)
         if mode == "process_weighted":
             bad = bad | (p < 0) | (p > 1)
         ok = jnp.max(jnp.where(active & bad, 1.0, 0.0)) == 0
