@@ -37,7 +37,7 @@ def _batches(seed, groups=3, **kw):
     return flat, packed, adv
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow)])
 def test_packed_update_equals_flat_update(agg):
     policy = Policy(toy_transformer(seed=3))
     flat, packed, adv = _batches(4)
