@@ -3,7 +3,7 @@
 One topic per module: ``rewards`` (outcome placement, KL penalty, turn folding), ``gae``,
 ``normalize``, ``shaping`` (process-reward shaping), ``loss`` (clipped policy loss),
 ``advantages`` (the whole reference order as one jitted program), ``batch`` (padding, buckets)
-and ``packing`` (tree-packed batches and the exact packed loss).
+``packing`` (tree-packed batches) and ``packed_loss`` (the exact loss on packed tokens).
 Imports jax, chex and numpy only; re-exported by ``jaxprm``.
 """
 
@@ -11,16 +11,8 @@ from jaxprm.learner.advantages import AdvantageConfig, Advantages, compute_advan
 from jaxprm.learner.batch import Batch, RowData, bucket_size, pad_rows
 from jaxprm.learner.gae import gae
 from jaxprm.learner.loss import PolicyLossTerms, policy_loss, policy_loss_terms
-from jaxprm.learner.packing import (
-    PackedAdvantages,
-    PackedBatch,
-    gather_to_flat,
-    pack_advantages,
-    pack_rows,
-    packed_logprobs,
-    packed_policy_loss,
-    tree_attention_mask,
-)
+from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
+from jaxprm.learner.packing import PackedBatch, gather_to_flat, pack_rows, tree_attention_mask
 from jaxprm.learner.normalize import group_normalize_rewards, masked_sum_count, normalize
 from jaxprm.learner.rewards import (
     check_uniform_turn_rewards,

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxprm.learner.packing import PackedAdvantages, PackedBatch, pack_advantages, packed_logprobs, packed_policy_loss
+from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
+from jaxprm.learner.packing import PackedBatch
 from jaxprm.train.step import TrainState, TrainStep
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
