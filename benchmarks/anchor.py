@@ -1,51 +1,60 @@
-"""Time the learner kernels of an older commit in the same benchmark run (the anchor), and count the
-full-size copies / transposes in a compiled program's HLO.
+"""The learner kernels of an older commit, reachable in the same benchmark process (the anchor),
+and the full-size copies / transposes in a compiled program's HLO.
 
-``benchmarks.kernels --anchor REV`` extracts ``jaxprm/__init__.py`` and ``jaxprm/learner`` of
-``REV`` (``git archive``) into a temporary directory and, for each size, times the same JAX kernels
-there in a subprocess whose ``PYTHONPATH`` puts that copy first, right after timing the current
-code. So both are measured on the same machine state, minutes apart.
-
-    python -m benchmarks.anchor --worker DIR --size 256x8192 --repeats 5 --kernels gae_scan,...
+``load_anchor(REV)`` extracts ``jaxprm/__init__.py`` and ``jaxprm/learner`` of ``REV`` (``git
+archive``) into a temporary directory as the package ``jaxprm_anchor`` (imports rewritten) and
+imports it next to the current ``jaxprm``. ``best_interleaved`` then times a current and an old
+kernel alternately, so both see the same machine load (this machine is shared).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import importlib
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
+from types import ModuleType
+
+import jax
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["extract", "time_anchor", "hlo_copies"]
+__all__ = ["load_anchor", "best_interleaved", "hlo_copies"]
 
 
-def extract(rev: str) -> str:
-    """A temporary directory holding ``jaxprm/__init__.py`` and ``jaxprm/learner`` of ``rev``."""
-    out = tempfile.mkdtemp(prefix="jaxprm-anchor-")
+def load_anchor(rev: str) -> ModuleType:
+    """The ``jaxprm`` learner of git revision ``rev`` as the module ``jaxprm_anchor``."""
+    out = Path(tempfile.mkdtemp(prefix="jaxprm-anchor-"))
     data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "jaxprm/__init__.py",
                            "jaxprm/learner"], check=True, capture_output=True).stdout
-    tar_path = Path(out) / "src.tar"
-    tar_path.write_bytes(data)
-    with tarfile.open(tar_path) as tf:
+    (out / "src.tar").write_bytes(data)
+    with tarfile.open(out / "src.tar") as tf:
         tf.extractall(out, filter="data")
-    tar_path.unlink()
-    return out
+    (out / "jaxprm").rename(out / "jaxprm_anchor")
+    for f in (out / "jaxprm_anchor").rglob("*.py"):
+        f.write_text(re.sub(r"\bjaxprm\b", "jaxprm_anchor", f.read_text()))
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module("jaxprm_anchor")
+    finally:
+        sys.path.remove(str(out))
 
 
-def time_anchor(src: str, B: int, T: int, repeats: int, kernels: list[str]) -> dict[str, float]:
-    """``{kernel: best seconds}`` of ``kernels`` at ``[B, T]`` for the code in ``src``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.anchor", "--worker", src, "--size", f"{B}x{T}",
-                          "--repeats", str(repeats), "--kernels", ",".join(kernels)],
-                         check=True, capture_output=True, text=True, env=env, cwd=src)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def best_interleaved(new, old, repeats: int) -> tuple[float, float]:
+    """Best seconds of ``new()`` and ``old()`` (each compiled first), alternating the two."""
+    jax.block_until_ready(new())
+    jax.block_until_ready(old())
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, fn in enumerate((new, old)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 _SHAPE = re.compile(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+(copy|transpose)\(")
@@ -56,35 +65,9 @@ def hlo_copies(compiled_text: str, min_elements: int) -> dict[str, int]:
     at least ``min_elements`` elements, in ``jax.jit(f).lower(...).compile().as_text()``."""
     counts = {"copy": 0, "transpose": 0}
     for m in _SHAPE.finditer(compiled_text):
-        dims = [int(d) for d in m.group(2).split(",") if d]
         n = 1
-        for d in dims:
-            n *= d
+        for d in m.group(2).split(","):
+            n *= int(d) if d else 1
         if n >= min_elements:
             counts[m.group(3)] += 1
     return counts
-
-
-def _worker(args) -> None:
-    import jax
-
-    import jaxprm
-    from benchmarks.kernels import _best_time, jax_kernels, make_inputs
-
-    assert Path(jaxprm.__file__).resolve().is_relative_to(Path(args.worker).resolve()), jaxprm.__file__
-    B, T = (int(v) for v in args.size.split("x"))
-    ks = jax_kernels(make_inputs(B, T))
-    out = {}
-    for name in args.kernels.split(","):
-        if name in ks:
-            out[name] = _best_time(ks[name][0], args.repeats, jax.block_until_ready)
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--size", required=True)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--kernels", required=True)
-    _worker(ap.parse_args())

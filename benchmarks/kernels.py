@@ -9,8 +9,9 @@ written the way the reference system does it (a Python loop over time for GAE, a
 loss). It also measures this machine's memory-copy bandwidth and reports each JAX kernel's achieved
 bytes/s (compulsory reads + writes, float32, masks as float32) as a fraction of it.
 
-``--anchor REV`` also times the JAX kernels of commit ``REV`` at each size right after the current
-ones (``benchmarks.anchor``), so a speed change is measured in one run; the JSON records the load
+``--anchor REV`` also times the JAX kernels of commit ``REV`` (loaded in-process from ``git
+archive``, ``benchmarks.anchor``), each repeat alternating between the current and the old kernel,
+so a speed change is measured in one run under the same machine load; the JSON records the load
 average and, per size, the full-size copies / transposes in the compiled HLO of each GAE method
 and of ``compute_advantages``.
 """
@@ -85,9 +86,9 @@ def make_inputs(B: int, T: int, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def make_batch(x: dict[str, np.ndarray]) -> jaxprm.Batch:
+def make_batch(x: dict[str, np.ndarray], lib=jaxprm) -> jaxprm.Batch:
     B, T = x["mask"].shape
-    return jaxprm.Batch(
+    return lib.Batch(
         tokens=jnp.zeros((B, T), jnp.int32), loss_mask=jnp.asarray(x["mask"]), old_logprobs=jnp.asarray(x["old"]),
         ref_logprobs=jnp.asarray(x["ref"]), process_rewards=jnp.asarray(x["proc_neg"]),
         values=jnp.zeros((B, T), jnp.float32), outcome_rewards=jnp.asarray(x["outcome"]),
@@ -104,9 +105,12 @@ E2E_CONFIG = jaxprm.AdvantageConfig(group_reward_norm=True, kl_ctl=0.05, kl_esti
 # JAX kernels (float32, jitted). Each entry: (fn over device arrays, bytes per token).
 
 
-def jax_kernels(x: dict[str, np.ndarray]) -> dict[str, tuple[Callable[[], object], int]]:
+def jax_kernels(x: dict[str, np.ndarray], lib=jaxprm) -> dict[str, tuple[Callable[[], object], int]]:
+    """The JAX kernels of ``lib`` (``jaxprm``, or an older copy of it: ``benchmarks.anchor``)."""
+    jaxprm = lib  # noqa: F811 (the kernels below are ``lib``'s)
     d = {k: jnp.asarray(v) for k, v in x.items()}
-    batch = make_batch(x)
+    batch = make_batch(x, lib)
+    e2e_config = lib.AdvantageConfig(group_reward_norm=True, kl_ctl=0.05, kl_estimator="k3", shaping_mode="gvpo")
     gae = {m: jax.jit(lambda r, v, mm, m=m: jaxprm.learner.gae(r, v, mm, method=m)) for m in ("scan", "associative", "cumsum")}
     kl = jax.jit(lambda a, b: jaxprm.kl_penalty(a, b, estimator="k3"))
     norm = jax.jit(lambda a, m: jaxprm.learner.normalize(a, m))
@@ -114,7 +118,7 @@ def jax_kernels(x: dict[str, np.ndarray]) -> dict[str, tuple[Callable[[], object
     gvpo = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="gvpo", validate=False))
     pw = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="process_weighted", validate=False))
     loss_grad = jax.jit(jax.value_and_grad(lambda lp, o, a, m: jaxprm.policy_loss(lp, o, a, m)[0]))
-    e2e = lambda: jaxprm.compute_advantages(batch, E2E_CONFIG).advantages  # noqa: E731
+    e2e = lambda: jaxprm.compute_advantages(batch, e2e_config).advantages  # noqa: E731
     # bytes/token: float32 inputs read + outputs written (mask counted as float32)
     return {
         "gae_scan": (lambda: gae["scan"](d["rewards"], d["values"], d["mask"]), 20),
@@ -301,19 +305,15 @@ def hlo_report(x: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
     return out
 
 
-ANCHORED = ("gae_scan", "gae_associative", "gae_cumsum", "kl_k3", "normalize_batch", "normalize_group", "shape_gvpo",
-            "shape_process_weighted", "policy_loss_fwd_bwd", "compute_advantages")
-
-
 def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -> dict:
     bw = copy_bandwidth()
     rows = []
     hlo = {}
-    src = None
+    old_lib = None
     if anchor:
-        from benchmarks.anchor import extract
+        from benchmarks.anchor import load_anchor
 
-        src = extract(anchor)
+        old_lib = load_anchor(anchor)
     load_before = os.getloadavg()
     for B, T in sizes:
         x = make_inputs(B, T)
@@ -321,8 +321,14 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -
         hlo[f"{B}x{T}"] = hlo_report(x)
         # The slow references get fewer repeats at large sizes.
         slow_repeats = max(1, repeats if B * T <= 1 << 17 else 2)
+        old = jax_kernels(x, old_lib) if old_lib is not None else {}
         for name, (fn, bytes_per_tok) in jk.items():
-            tj = _best_time(fn, repeats, jax.block_until_ready)
+            if name in old:  # interleaved: the load on a shared machine hits both alike
+                from benchmarks.anchor import best_interleaved
+
+                tj, t_old = best_interleaved(fn, old[name][0], repeats)
+            else:
+                tj, t_old = _best_time(fn, repeats, jax.block_until_ready), None
             tn = _best_time(nk[name], slow_repeats) if name in nk else None
             tt = _best_time(tk[name], slow_repeats) if name in tk else None
             n = B * T
@@ -335,19 +341,10 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -
                 "jax_ms": tj * 1e3, "bytes_per_token": bytes_per_tok,
                 "fraction_of_copy_bw": bytes_per_tok * n / tj / bw,
             })
+            if t_old is not None:
+                rows[-1].update(anchor_ms=t_old * 1e3, speedup_vs_anchor=t_old / tj,
+                                anchor_fraction_of_copy_bw=bytes_per_tok * n / t_old / bw)
             print_row(rows[-1])
-        if src is not None:
-            from benchmarks.anchor import time_anchor
-
-            old = time_anchor(src, B, T, repeats, list(ANCHORED))
-            for r in rows:
-                if (r["B"], r["T"]) == (B, T) and r["kernel"] in old:
-                    r["anchor_ms"] = old[r["kernel"]] * 1e3
-                    r["speedup_vs_anchor"] = r["anchor_ms"] / r["jax_ms"]
-                    r["anchor_fraction_of_copy_bw"] = r["bytes_per_token"] * B * T / old[r["kernel"]] / bw
-                    print(f"  {r['kernel']:<22}{B}x{T}: anchor {r['anchor_ms']:.3f} ms -> {r['jax_ms']:.3f} ms "
-                          f"(x{r['speedup_vs_anchor']:.2f}; {100 * r['anchor_fraction_of_copy_bw']:.0f}% -> "
-                          f"{100 * r['fraction_of_copy_bw']:.0f}% of copy bandwidth)", flush=True)
     return {
         "anchor": anchor,
         "loadavg_before": load_before,
@@ -361,7 +358,7 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -
 
 
 HEADER = f"{'kernel':<24}{'B x T':>12}{'jax Mtok/s':>12}{'np64 Mtok/s':>13}{'torch Mtok/s':>14}" \
-         f"{'x numpy':>9}{'x torch':>9}{'% copy bw':>11}"
+         f"{'x numpy':>9}{'x torch':>9}{'% copy bw':>11}{'x anchor':>10}{'anchor %':>10}"
 
 
 def _fmt(v, spec):
@@ -373,7 +370,9 @@ def print_row(r: dict) -> None:
           f"{_fmt(r['numpy_f64_tok_s'] and r['numpy_f64_tok_s'] / 1e6, '>13.1f')}"
           f"{_fmt(r['torch_eager_tok_s'] and r['torch_eager_tok_s'] / 1e6, '>14.1f')}"
           f"{_fmt(r['speedup_vs_numpy'], '>9.1f')}{_fmt(r['speedup_vs_torch'], '>9.1f')}"
-          f"{100 * r['fraction_of_copy_bw']:>10.0f}%", flush=True)
+          f"{100 * r['fraction_of_copy_bw']:>10.0f}%{_fmt(r.get('speedup_vs_anchor'), '>10.2f')}"
+          f"{_fmt(r.get('anchor_fraction_of_copy_bw') and 100 * r['anchor_fraction_of_copy_bw'], '>9.0f')}"
+          f"{'%' if r.get('anchor_fraction_of_copy_bw') else ' '}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
