@@ -1,12 +1,19 @@
 """Learner-kernel throughput: jitted JAX vs float64 numpy vs eager PyTorch (AReaL-style).
 
     python -m benchmarks.kernels [--sizes 8x512,64x2048,256x8192] [--repeats 5] [--json PATH]
+                                 [--anchor REV]
 
 For each kernel and size it reports tokens/s (B*T per second) of the jitted float32 JAX kernel, of a
 float64 numpy implementation and (when torch is installed) of an eager float32 PyTorch version
 written the way the reference system does it (a Python loop over time for GAE, autograd for the
 loss). It also measures this machine's memory-copy bandwidth and reports each JAX kernel's achieved
 bytes/s (compulsory reads + writes, float32, masks as float32) as a fraction of it.
+
+``--anchor REV`` also times the JAX kernels of commit ``REV`` (loaded in-process from ``git
+archive``, ``benchmarks.anchor``), each repeat alternating between the current and the old kernel,
+so a speed change is measured in one run under the same machine load; the JSON records the load
+average and, per size, the full-size copies / transposes in the compiled HLO of each GAE method
+and of ``compute_advantages``.
 """
 
 from __future__ import annotations
@@ -79,9 +86,9 @@ def make_inputs(B: int, T: int, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def make_batch(x: dict[str, np.ndarray]) -> jaxprm.Batch:
+def make_batch(x: dict[str, np.ndarray], lib=jaxprm) -> jaxprm.Batch:
     B, T = x["mask"].shape
-    return jaxprm.Batch(
+    return lib.Batch(
         tokens=jnp.zeros((B, T), jnp.int32), loss_mask=jnp.asarray(x["mask"]), old_logprobs=jnp.asarray(x["old"]),
         ref_logprobs=jnp.asarray(x["ref"]), process_rewards=jnp.asarray(x["proc_neg"]),
         values=jnp.zeros((B, T), jnp.float32), outcome_rewards=jnp.asarray(x["outcome"]),
@@ -98,9 +105,12 @@ E2E_CONFIG = jaxprm.AdvantageConfig(group_reward_norm=True, kl_ctl=0.05, kl_esti
 # JAX kernels (float32, jitted). Each entry: (fn over device arrays, bytes per token).
 
 
-def jax_kernels(x: dict[str, np.ndarray]) -> dict[str, tuple[Callable[[], object], int]]:
+def jax_kernels(x: dict[str, np.ndarray], lib=jaxprm) -> dict[str, tuple[Callable[[], object], int]]:
+    """The JAX kernels of ``lib`` (``jaxprm``, or an older copy of it: ``benchmarks.anchor``)."""
+    jaxprm = lib  # noqa: F811 (the kernels below are ``lib``'s)
     d = {k: jnp.asarray(v) for k, v in x.items()}
-    batch = make_batch(x)
+    batch = make_batch(x, lib)
+    e2e_config = lib.AdvantageConfig(group_reward_norm=True, kl_ctl=0.05, kl_estimator="k3", shaping_mode="gvpo")
     gae = {m: jax.jit(lambda r, v, mm, m=m: jaxprm.learner.gae(r, v, mm, method=m)) for m in ("scan", "associative", "cumsum")}
     kl = jax.jit(lambda a, b: jaxprm.kl_penalty(a, b, estimator="k3"))
     norm = jax.jit(lambda a, m: jaxprm.learner.normalize(a, m))
@@ -108,7 +118,7 @@ def jax_kernels(x: dict[str, np.ndarray]) -> dict[str, tuple[Callable[[], object
     gvpo = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="gvpo", validate=False))
     pw = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="process_weighted", validate=False))
     loss_grad = jax.jit(jax.value_and_grad(lambda lp, o, a, m: jaxprm.policy_loss(lp, o, a, m)[0]))
-    e2e = lambda: jaxprm.compute_advantages(batch, E2E_CONFIG).advantages  # noqa: E731
+    e2e = lambda: jaxprm.compute_advantages(batch, e2e_config).advantages  # noqa: E731
     # bytes/token: float32 inputs read + outputs written (mask counted as float32)
     return {
         "gae_scan": (lambda: gae["scan"](d["rewards"], d["values"], d["mask"]), 20),
@@ -278,16 +288,47 @@ def torch_kernels(x):
 # ---------------------------------------------------------------------------------------------
 
 
-def run(sizes: list[tuple[int, int]], repeats: int) -> dict:
+def hlo_report(x: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
+    """Full-size ``copy`` / ``transpose`` instructions in the compiled GAE and compute_advantages."""
+    from benchmarks.anchor import hlo_copies
+
+    B, T = x["mask"].shape
+    d = {k: jnp.asarray(v) for k, v in x.items()}
+    out = {}
+    for m in ("scan", "associative", "cumsum"):
+        f = jax.jit(lambda r, v, mm, m=m: jaxprm.learner.gae(r, v, mm, method=m))
+        out[f"gae_{m}"] = hlo_copies(f.lower(d["rewards"], d["values"], d["mask"]).compile().as_text(), B * T)
+    from jaxprm.learner.advantages import _compute_advantages_jit
+
+    text = _compute_advantages_jit.lower(make_batch(x), E2E_CONFIG).compile().as_text()
+    out["compute_advantages"] = hlo_copies(text, B * T)
+    return out
+
+
+def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -> dict:
     bw = copy_bandwidth()
     rows = []
+    hlo = {}
+    old_lib = None
+    if anchor:
+        from benchmarks.anchor import load_anchor
+
+        old_lib = load_anchor(anchor)
+    load_before = os.getloadavg()
     for B, T in sizes:
         x = make_inputs(B, T)
         jk, nk, tk = jax_kernels(x), numpy_kernels(x), torch_kernels(x)
+        hlo[f"{B}x{T}"] = hlo_report(x)
         # The slow references get fewer repeats at large sizes.
         slow_repeats = max(1, repeats if B * T <= 1 << 17 else 2)
+        old = jax_kernels(x, old_lib) if old_lib is not None else {}
         for name, (fn, bytes_per_tok) in jk.items():
-            tj = _best_time(fn, repeats, jax.block_until_ready)
+            if name in old:  # interleaved: the load on a shared machine hits both alike
+                from benchmarks.anchor import best_interleaved
+
+                tj, t_old = best_interleaved(fn, old[name][0], repeats)
+            else:
+                tj, t_old = _best_time(fn, repeats, jax.block_until_ready), None
             tn = _best_time(nk[name], slow_repeats) if name in nk else None
             tt = _best_time(tk[name], slow_repeats) if name in tk else None
             n = B * T
@@ -300,8 +341,15 @@ def run(sizes: list[tuple[int, int]], repeats: int) -> dict:
                 "jax_ms": tj * 1e3, "bytes_per_token": bytes_per_tok,
                 "fraction_of_copy_bw": bytes_per_tok * n / tj / bw,
             })
+            if t_old is not None:
+                rows[-1].update(anchor_ms=t_old * 1e3, speedup_vs_anchor=t_old / tj,
+                                anchor_fraction_of_copy_bw=bytes_per_tok * n / t_old / bw)
             print_row(rows[-1])
     return {
+        "anchor": anchor,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "hlo_full_size_copies": hlo,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend(), "torch": None if torch is None else torch.__version__},
         "copy_bandwidth_GBps": bw / 1e9,
@@ -310,7 +358,7 @@ def run(sizes: list[tuple[int, int]], repeats: int) -> dict:
 
 
 HEADER = f"{'kernel':<24}{'B x T':>12}{'jax Mtok/s':>12}{'np64 Mtok/s':>13}{'torch Mtok/s':>14}" \
-         f"{'x numpy':>9}{'x torch':>9}{'% copy bw':>11}"
+         f"{'x numpy':>9}{'x torch':>9}{'% copy bw':>11}{'x anchor':>10}{'anchor %':>10}"
 
 
 def _fmt(v, spec):
@@ -322,7 +370,9 @@ def print_row(r: dict) -> None:
           f"{_fmt(r['numpy_f64_tok_s'] and r['numpy_f64_tok_s'] / 1e6, '>13.1f')}"
           f"{_fmt(r['torch_eager_tok_s'] and r['torch_eager_tok_s'] / 1e6, '>14.1f')}"
           f"{_fmt(r['speedup_vs_numpy'], '>9.1f')}{_fmt(r['speedup_vs_torch'], '>9.1f')}"
-          f"{100 * r['fraction_of_copy_bw']:>10.0f}%", flush=True)
+          f"{100 * r['fraction_of_copy_bw']:>10.0f}%{_fmt(r.get('speedup_vs_anchor'), '>10.2f')}"
+          f"{_fmt(r.get('anchor_fraction_of_copy_bw') and 100 * r['anchor_fraction_of_copy_bw'], '>9.0f')}"
+          f"{'%' if r.get('anchor_fraction_of_copy_bw') else ' '}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -330,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sizes", default="8x512,64x2048,256x8192", help="comma-separated BxT sizes")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results to this JSON file")
+    ap.add_argument("--anchor", default=None,
+                    help="also time the JAX kernels of this git revision in the same run (e.g. the parent commit)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="PyTorch intra-op threads (default 1: its OpenMP pool stalls when cores are shared)")
     args = ap.parse_args(argv)
@@ -338,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.torch_threads)
     print(f"jax {jax.__version__} on {jax.default_backend()}; torch {getattr(torch, '__version__', 'absent')}")
     print(HEADER, flush=True)
-    result = run(sizes, args.repeats)
+    result = run(sizes, args.repeats, args.anchor)
     print(f"memory-copy bandwidth: {result['copy_bandwidth_GBps']:.1f} GB/s (read + write)")
     if args.json:
         with open(args.json, "w") as f:

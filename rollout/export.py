@@ -7,6 +7,11 @@ server's log-probs, turn id ``j`` and the scorers' process rewards (token-aligne
 (prompt, env/tool text, end-of-turn tokens the client appended) has mask 0, log-prob 0, turn id -1.
 ``jaxprm.learner.batch.pad_rows`` then shifts the per-token fields once to prediction positions and pads
 rows and length to buckets (padding rows have weight 0).
+
+``export_groups_packed`` (``rollout.export: tree_packed``) returns the same flat batch plus a
+``jaxprm.PackedBatch``: each group's rows merged into one token trie, so a turn shared by several
+leaves is forwarded once (``jaxprm.learner.packing``). Flat groups pack too: their leaves share the
+prompt.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
+from jaxprm.learner.packing import PackedBatch, pack_rows
 from rollout.tree import GroupResult, LeafRecord
 from rollout.types import InteractionTree
 from scorers import filter_mixed_or_penalized_all_wrong, filter_mixed_or_penalized_all_wrong_mask_no_eos
 
-__all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "filter_groups", "ProcessRewards", "FILTERS"]
+__all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "export_groups_packed", "filter_groups",
+           "ProcessRewards", "FILTERS"]
 
 ProcessRewards = Mapping[str, Mapping[str, np.ndarray]]
 """``{leaf_id: {interaction_id: float32[output_len]}}`` as ``PRMRunner.score_branches`` returns."""
@@ -111,6 +118,36 @@ def export_groups(groups: Sequence[GroupResult], *, process_rewards: Sequence[Pr
 
     Returns the batch and, per real row, where it came from.
     """
+    rows, meta = _export_rows(groups, process_rewards, max_len, skip_empty)
+    batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
+    return batch, meta
+
+
+def export_groups_packed(
+    groups: Sequence[GroupResult], *, process_rewards: Sequence[ProcessRewards | None] | None = None,
+    row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+    min_rows: int = 0, min_len: int = 0, max_len: int | None = None, skip_empty: bool = True,
+    packed_row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, packed_len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+    packed_min_rows: int = 0, trees_per_row: int | None = None,
+) -> tuple[Batch, PackedBatch, list[ExportedRow]]:
+    """``export_groups`` plus the tree-packed layout of the same rows (one trie per group).
+
+    The flat batch is what ``compute_advantages`` reads; the ``PackedBatch`` (rows and length
+    bucketed by ``packed_row_buckets`` / ``packed_len_buckets``, at least ``packed_min_rows`` rows,
+    several groups per packed row when they fit unless ``trees_per_row`` caps it) is what the model
+    forwards; its ``flat_index`` maps the flat batch's prediction positions to packed tokens.
+    """
+    rows, meta = _export_rows(groups, process_rewards, max_len, skip_empty)
+    batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
+    trees: dict[int, list[int]] = {}
+    for m in meta:
+        trees.setdefault(m.group, []).append(m.row)
+    packed = pack_rows(rows, flat_shape=batch.shape, trees=list(trees.values()), row_buckets=packed_row_buckets,
+                       len_buckets=packed_len_buckets, min_rows=packed_min_rows, trees_per_row=trees_per_row)
+    return batch, packed, meta
+
+
+def _export_rows(groups, process_rewards, max_len, skip_empty) -> tuple[list[RowData], list[ExportedRow]]:
     if process_rewards is not None and len(process_rewards) != len(groups):
         raise ValueError(f"process_rewards has {len(process_rewards)} entries for {len(groups)} groups")
     rows: list[RowData] = []
@@ -131,8 +168,7 @@ def export_groups(groups: Sequence[GroupResult], *, process_rewards: Sequence[Pr
         gid += 1
     if not rows:
         raise ValueError("nothing to export: every group is empty")
-    batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
-    return batch, meta
+    return rows, meta
 
 
 def filter_groups(groups: Sequence[GroupResult], process_rewards: Sequence[ProcessRewards | None], name: str,

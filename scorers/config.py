@@ -25,7 +25,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxprm.learner.modes import SHAPING_MODES
+from jaxprm.modes import SHAPING_MODES
 from scorers.base import BaseScorer
 
 __all__ = [

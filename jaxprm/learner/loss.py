@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_2d_same, check_choice, check_float
-from jaxprm.learner.modes import LOSS_AGGREGATIONS
+from jaxprm.modes import LOSS_AGGREGATIONS
 
 __all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS"]
 

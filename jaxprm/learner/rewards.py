@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float, check_rank
-from jaxprm.learner.modes import KL_ESTIMATORS
+from jaxprm.modes import KL_ESTIMATORS
 
 __all__ = [
     "shift_to_prediction",

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import assert_all, check_2d_same, check_choice, check_float
-from jaxprm.learner.modes import SHAPING_MODES
+from jaxprm.modes import SHAPING_MODES
 
 __all__ = ["shape_advantages", "validate_process_rewards", "SHAPING_MODES"]
 
@@ -21,7 +21,7 @@ def validate_process_rewards(process_rewards: jax.Array, mask: jax.Array, *, mod
     check_choice("mode", mode, SHAPING_MODES)
     p = jnp.asarray(process_rewards)
     active = jnp.asarray(mask) > 0
-    ok = jnp.isfinite(p)
+    ok = jnp.abs(p) < jnp.inf  # finite
     if mode == "process_weighted":
         ok = ok & (p >= 0) & (p <= 1)
     return jnp.all(ok | ~active, axis=-1)
@@ -64,7 +64,11 @@ def shape_advantages(
     p = jnp.asarray(process_rewards, dtype)
     active = jnp.asarray(mask) > 0
     if validate:
-        ok = validate_process_rewards(p, mask, mode=mode)
+        # One fused reduction (no [B, T] flag array): is any active reward invalid?
+        bad = ~(jnp.abs(p) < jnp.inf)  # non-finite (a compare: XLA's is-finite is not vectorized)
+        if mode == "process_weighted":
+            bad = bad | (p < 0) | (p > 1)
+        ok = jnp.max(jnp.where(active & bad, 1.0, 0.0)) == 0
         rule = "in [0, 1]" if mode == "process_weighted" else "finite"
         assert_all(ok, f"shape_advantages(mode={mode!r}): process_rewards must be {rule} on every "
                         "active token (mask > 0)")

@@ -28,6 +28,14 @@ Call convention: ``logits, cache = model(tokens, positions, cache=None)``.
 * ``tokens`` int32 ``[B, T]`` (ids are clipped into ``[0, V)``), ``positions`` int32 ``[B, T]``
   absolute positions (RoPE angle and, with a cache, the cache slot).
 * Without a cache: query ``t`` attends keys ``s <= t`` (index-causal) whose position is ``>= 0``.
+  Tree-packed rows (``jaxprm.learner.packing``) pass ``subtree_end`` ``[B, T]`` instead: query
+  ``t`` attends key ``s`` iff ``s <= t < subtree_end[b, s]`` (``s`` is on ``t``'s root path), and
+  ``positions`` carry each token's depth (its position in the unpacked row) for RoPE. That dense
+  mask costs ``O(T^2)`` per packed row; ``query_blocks [B, N, Q]`` with ``key_blocks [B, N, S]``
+  (from ``pack_rows``) compute the same attention block-sparsely: block ``n`` of row ``b`` holds
+  up to ``Q`` query slots and the ``S`` slots of their common root path (key ``i`` has depth
+  ``i``; query ``t`` sees keys ``i <= positions[b, t]``), so the cost is ``N Q S`` per row, about
+  the packed tokens times the unpacked row length.
   Padding convention: right-pad rows with any token and any position; causality keeps the padded
   tail from touching the real prefix. Left padding is also possible by giving the pad entries a
   negative position (they are then never attended). Outputs at pad entries are finite garbage.
@@ -56,7 +64,7 @@ from flax import nnx
 from jaxprm.models.config import ModelConfig
 from jaxprm.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention"]
+__all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention", "block_attention"]
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 
@@ -186,6 +194,32 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, H, hd)
 
 
+def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, query_blocks: jax.Array,
+                    key_blocks: jax.Array) -> jax.Array:
+    """Block-sparse tree attention over packed rows (see the module docstring).
+
+    ``q [B, T, H, hd]``, ``k, v [B, T, K, hd]``, ``positions [B, T]`` (depths), ``query_blocks
+    [B, N, Q]`` and ``key_blocks [B, N, S]`` slot indices into ``T`` (-1 = none). Each query slot
+    must appear in exactly one block; slots in no block get 0. Returns ``[B, T, H, hd]``.
+    """
+    B, T, H, hd = q.shape
+    _, N, Q = query_blocks.shape
+    S = key_blocks.shape[-1]
+    qi = jnp.maximum(query_blocks, 0).reshape(B, N * Q)
+    ki = jnp.maximum(key_blocks, 0).reshape(B, N * S)
+    take = jax.vmap(lambda x, i: x[i])
+    qb = take(q, qi).reshape(B * N, Q, H, hd)
+    kb = take(k, ki).reshape(B * N, S, *k.shape[2:])
+    vb = take(v, ki).reshape(B * N, S, *v.shape[2:])
+    qpos = take(positions, qi).reshape(B, N, Q)
+    mask = (jnp.arange(S)[None, None, None, :] <= qpos[..., None]) & (key_blocks[:, :, None, :] >= 0) \
+        & (query_blocks[..., None] >= 0)
+    out = attention(qb, kb, vb, mask.reshape(B * N, Q, S)).reshape(B, N * Q, H, hd)
+    dest = jnp.where(query_blocks >= 0, query_blocks, T).reshape(B, N * Q)
+    put = jax.vmap(lambda o, d: jnp.zeros((T, H, hd), o.dtype).at[d].set(o, mode="drop"))
+    return put(out, dest)
+
+
 class Transformer(nnx.Module):
     """Decoder-only transformer; see the module docstring for shapes and the cache convention.
 
@@ -202,10 +236,13 @@ class Transformer(nnx.Module):
         self.lm_head = nnx.Param(params["lm_head"]) if "lm_head" in params else None
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
+        subtree_end: jax.Array | None = None, query_blocks: jax.Array | None = None,
+        key_blocks: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """``(logits float32 [B, T, V], updated cache or None)``."""
-        hidden, cache = self.hidden_states(tokens, positions, cache)
+        hidden, cache = self.hidden_states(tokens, positions, cache, subtree_end=subtree_end,
+                                           query_blocks=query_blocks, key_blocks=key_blocks)
         return self.logits(hidden), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -214,12 +251,16 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache | None = None, *,
+        subtree_end: jax.Array | None = None, query_blocks: jax.Array | None = None,
+        key_blocks: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states ``[B, T, D]`` (param dtype) and the updated cache.
 
         ``model.logits(h)`` turns (a gather of) them into logits: a sampler can project only the
-        last prompt position instead of materializing ``[B, T, V]``.
+        last prompt position instead of materializing ``[B, T, V]``. ``subtree_end`` (no cache
+        only) selects the tree-packed mask ``s <= t < subtree_end[b, s]``; ``query_blocks`` with
+        ``key_blocks`` the same attention block-sparsely (``block_attention``).
         """
         c = self.config
         if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -233,12 +274,29 @@ class Transformer(nnx.Module):
         cos, sin = rope_cos_sin(c, positions)
         params = self.layers.stacked()
 
+        if subtree_end is not None and (cache is not None or subtree_end.shape != tokens.shape):
+            raise ValueError(f"subtree_end {subtree_end.shape} must be [B, T] like tokens {tokens.shape} "
+                             "and needs cache=None")
+        if (query_blocks is None) != (key_blocks is None) or (query_blocks is not None and (
+                cache is not None or query_blocks.shape[:2] != key_blocks.shape[:2] or query_blocks.shape[0] != B)):
+            raise ValueError("query_blocks [B, N, Q] and key_blocks [B, N, S] go together and need cache=None")
         if cache is None:
-            idx = jnp.arange(T)
-            mask = (idx[None, :, None] >= idx[None, None, :]) & (positions[:, None, :] >= 0)
+            if query_blocks is not None:
+                qb, kb = query_blocks.astype(jnp.int32), key_blocks.astype(jnp.int32)
+
+                def attend(q, k, v):
+                    return block_attention(q, k, v, positions, qb, kb)
+            else:
+                idx = jnp.arange(T)
+                mask = (idx[None, :, None] >= idx[None, None, :]) & (positions[:, None, :] >= 0)
+                if subtree_end is not None:
+                    mask = mask & (idx[None, :, None] < subtree_end.astype(jnp.int32)[:, None, :])
+
+                def attend(q, k, v):
+                    return attention(q, k, v, mask)
 
             def body(x, p):
-                return _layer(c, x, p, cos, sin, lambda q, k, v: attention(q, k, v, mask)), None
+                return _layer(c, x, p, cos, sin, attend), None
 
             if self.remat:
                 body = jax.checkpoint(body)

@@ -25,7 +25,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from jaxprm.learner.modes import KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
+from jaxprm.modes import KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
 from rollout.client import DIALECTS
 from rollout.tree import GROUP_MODES, STRATEGIES
 from scorers import check_scorer_specs, validate_prm_config
@@ -132,8 +132,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
-    # one row per leaf (the spec's concat export; "individual", one row per turn, is not offered)
-    export: Literal["concat"] = "concat"
+    # concat: one row per leaf (the spec's concat export; "individual", one row per turn, is not offered);
+    # tree_packed: the same rows, but the learner forwards each group's shared prefixes once
+    export: Literal["concat", "tree_packed"] = "concat"
     filter: Literal[
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
     ] = "none"
@@ -528,7 +529,7 @@ def validate_prm(cfg: TrainConfig) -> None:
     """The process-reward rules (the scorers' validator, with the trainer's keys) and the branch scorer."""
     try:
         validate_prm_config(
-            dataclasses.asdict(cfg.prm), export_style=cfg.rollout.export, token_backed=cfg.server.token_backed,
+            dataclasses.asdict(cfg.prm), export_style="concat", token_backed=cfg.server.token_backed,  # tree_packed packs concat rows
             token_rewards_as_adv=cfg.advantage.token_rewards_as_adv,
             mask_no_eos_with_zero=cfg.advantage.mask_no_eos_with_zero,
             external_string_backend=cfg.server.kind == "external" and not cfg.server.token_backed,

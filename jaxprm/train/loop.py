@@ -43,7 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxprm
-from jaxprm.models import next_token_logprobs, save_pretrained
+from jaxprm.models import save_pretrained
 from jaxprm.train import adapters, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
 from jaxprm.train.compilation import PhaseTimes, enable_persistent_cache
@@ -51,7 +51,8 @@ from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.rundir import Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import Cleanup, TaskStream, TrainError, init_distributed, load_policy, prepare_run_dir
-from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, step_inputs
+from jaxprm.train.packed import learn_packed
+from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, step_inputs
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import evaluate
 from rollout.export import export_groups, filter_groups
@@ -92,17 +93,6 @@ class Summary:
         lines.append(f"where the time went ({self.wall_s:.0f} s): " + ", ".join(parts)
                      + f"; {self.compiled_programs} programs compiled, {self.compile_cache_hits} from the cache")
         return "\n".join(lines)
-
-
-_REF_CACHE: dict = {}
-
-
-def _ref_logprobs(apply_fn, params, tokens, pos):
-    fn = _REF_CACHE.get(id(apply_fn))
-    if fn is None:
-        fn = jax.jit(lambda p, t, q: next_token_logprobs(apply_fn(p, t, q), t))
-        _REF_CACHE[id(apply_fn)] = fn
-    return fn(params, tokens, pos)
 
 
 def _fmt(res: dict[str, Any]) -> str:
@@ -204,6 +194,8 @@ class _Job:
         return groups, rewards, stats
 
     def learn(self, groups, rewards, step: int) -> dict[str, float]:
+        if self.cfg.rollout.export == "tree_packed":  # shared prefixes forwarded once (jaxprm.train.packed)
+            return learn_packed(self, groups, rewards, step)
         batch, meta = export_groups(
             groups, process_rewards=rewards if self.prm is not None else None,
             row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
@@ -219,7 +211,7 @@ class _Job:
         if self.ref_params is not None:
             T = batch.tokens.shape[1]
             pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), batch.tokens.shape)
-            ref = _ref_logprobs(self.policy.apply_fn, self.ref_params, batch.tokens, pos)
+            ref = reference_logprobs(self.policy.apply_fn, self.ref_params, batch.tokens, pos)
             batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         data = step_inputs(batch, adv.advantages)

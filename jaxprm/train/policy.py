@@ -15,7 +15,8 @@ __all__ = ["Policy"]
 
 
 class Policy:
-    """A split NNX model. ``apply_fn(params, tokens[B, T], positions[B, T]) -> logits[B, T, V]``."""
+    """A split NNX model. ``apply_fn(params, tokens[B, T], positions[B, T]) -> logits[B, T, V]``
+    (tree-packed rows add ``subtree_end`` or ``query_blocks``/``key_blocks``, see ``Transformer``)."""
 
     def __init__(self, model: nnx.Module, tokenizer: Any = None) -> None:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -31,9 +32,9 @@ class Policy:
     def params(self, value: dict) -> None:
         self._params = value
 
-    def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array, **attention: jax.Array) -> jax.Array:
         model = nnx.merge(self.graphdef, nnx.State(params), self.rest)
-        out = model(tokens, positions)
+        out = model(tokens, positions, **attention)
         return out[0] if isinstance(out, tuple) else out
 
     def module(self, params: dict | None = None) -> nnx.Module:

@@ -299,5 +299,18 @@ class TrainStep:
         return self._jitted(state, data, rng)
 
 
+_REF_CACHE: dict = {}
+
+
+def reference_logprobs(apply_fn: Callable, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per-token log-probs ``[B, T]`` of ``tokens`` under ``params`` (the KL reference policy), one
+    jitted forward per ``apply_fn``."""
+    fn = _REF_CACHE.get(id(apply_fn))
+    if fn is None:
+        fn = jax.jit(lambda p, t, q: next_token_logprobs(apply_fn(p, t, q), t))
+        _REF_CACHE[id(apply_fn)] = fn
+    return fn(params, tokens, positions)
+
+
 def param_count(params: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params) if hasattr(x, "shape")))

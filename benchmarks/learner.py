@@ -1,0 +1,211 @@
+"""Learner step, flat rows vs tree-packed rows: tokens forwarded per group and step time.
+
+    python -m benchmarks.learner [--factors 1,2,4,8] [--patr-groups 16] [--repeats 3]
+                                 [--json benchmarks/results/learner_cpu.json]
+
+Cases:
+
+* ``synthetic f=F``: ``--groups`` groups of ``--leaves`` leaves; each leaf is a shared prefix of
+  ``P`` tokens (a 32-token prompt, then generated turns) plus its own ``--suffix`` generated tokens,
+  with ``P`` chosen so that flat tokens / packed tokens = ``F`` exactly (``F = 1``: nothing shared).
+* ``patr default``: ``--patr-groups`` PaTR groups with the default trainer's rollout settings
+  (4x4 FrozenLake, compact prompt, b0=4, k=5, m=2, top_k=2, 8 trajectories, refill) against the
+  scripted navigator server (``rollout.testing``, test tokenizer); skipped with ``--no-patr``.
+
+Both layouts run the same learner step with the trainer's defaults (the tiny policy, AdamW, 2 PPO
+epochs x 4 minibatches, microbatches of 8 rows / the same token budget packed) on the same
+advantages; the step time is the best of ``--repeats`` after compilation. ``ideal`` is flat tokens
+/ packed tokens, ``efficiency`` = (flat time / packed time) / ideal. Each JSON records the load
+average (``os.getloadavg()``) before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxprm
+from jaxprm.learner.batch import RowData
+from jaxprm.train.packed import PackedTrainStep, packed_row_buckets, packed_step_inputs
+from jaxprm.train.policy import Policy
+from jaxprm.train.step import TrainStep, step_inputs
+
+LEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def synthetic_rows(factor: float, *, groups: int, leaves: int, suffix: int, vocab: int, seed: int = 0) -> list[RowData]:
+    """Star-shaped groups with sharing factor ``factor`` (flat tokens / packed tokens)."""
+    rng = np.random.default_rng(seed)
+    G, S = leaves, suffix
+    P = 0 if factor <= 1 else int(round(S * G * (factor - 1) / (G - factor)))
+    rows = []
+    for g in range(groups):
+        prefix = rng.integers(3, vocab, P)
+        pmask = (np.arange(P) >= 32).astype(np.float32)
+        plp = np.where(pmask > 0, -rng.random(P) * 2, 0.0).astype(np.float32)
+        for i in range(G):
+            # Distinct first suffix tokens (and first tokens when nothing is shared) keep leaves apart.
+            suf = rng.integers(3, vocab, S)
+            suf[0] = 3 + i
+            toks = np.concatenate([prefix, suf]).astype(np.int32)
+            mask = np.concatenate([pmask, np.ones(S, np.float32)])
+            if P == 0:
+                mask[0] = 0.0
+            lp = np.concatenate([plp, -rng.random(S).astype(np.float32) * 2]) * mask
+            rows.append(RowData(tokens=toks, loss_mask=mask, logprobs=lp.astype(np.float32),
+                                outcome_reward=float(rng.random() < 0.5), group_id=g))
+    return rows
+
+
+def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, Any]]:
+    """PaTR groups with the default trainer settings against the scripted navigator."""
+    from benchmarks.rollout import _scorer, _start_server
+    from rollout.chat import PromptBuilder
+    from rollout.client import ClientConfig, GenerationClient, SamplingParams
+    from rollout.envs import make_tasks
+    from rollout.export import group_rows
+    from rollout.stats import describe_groups
+    from rollout.testing import make_test_tokenizer
+    from rollout.tree import TreeConfig, run_groups
+
+    from jaxprm.train.config import TrainConfig
+    from jaxprm.train.loop import env_factory
+
+    cfg = TrainConfig()
+    r, e = cfg.rollout, cfg.env
+    tasks, _ = make_tasks(seed, n_groups, 0, sizes=(e.size,), p_frozen=e.p, max_turns=e.max_turns)
+    tree = TreeConfig(strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k,
+                      alpha=r.alpha, theta=r.theta, max_turns=e.max_turns, max_branches=r.max_branches or r.group_size,
+                      refill=r.refill, group_mode=r.keep, seed=seed,
+                      sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p))
+    proc, url = _start_server(0.6)
+    try:
+        async def go():
+            async with GenerationClient(ClientConfig(endpoints=(url,), max_concurrency=64)) as client:
+                return await run_groups(tasks, env_factory=env_factory(cfg), client=client,
+                                        prompts=PromptBuilder(make_test_tokenizer()), config=tree,
+                                        scorer=_scorer()[0], group_seed=seed)
+
+        groups = asyncio.run(go())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    rows = []
+    for gid, g in enumerate(groups):
+        rows += group_rows(g, gid)
+    d = describe_groups(groups)
+    return rows, {k: d[k] for k in ("groups", "trajectories", "generated_tokens", "expanded", "pruned", "refills")}
+
+
+def _best(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, epochs: int, minibatches: int,
+             micro_rows: int) -> dict[str, Any]:
+    n_groups = len({r.group_id for r in rows})
+    flat = jaxprm.pad_rows(rows, len_buckets=LEN_BUCKETS, min_rows=minibatches * micro_rows)
+    packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=LEN_BUCKETS,
+                              row_buckets=packed_row_buckets(minibatches))
+    adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True)).advantages
+    loss_kw = {"eps_clip": 0.2, "agg": "token-mean"}
+    flat_step = TrainStep(policy.apply_fn, optax.adamw(1e-4), jaxprm.policy_loss, epochs=epochs,
+                          num_minibatches=minibatches, loss_kwargs=loss_kw, microbatch_rows=micro_rows)
+    packed_step = PackedTrainStep.like(flat_step, microbatch_tokens=micro_rows * flat.shape[1])
+    fd = step_inputs(flat, adv)
+    pd = packed_step_inputs(packed, flat, adv, agg="token-mean")
+    key = jax.random.key(0)
+    s_flat = flat_step.init_state(policy.params)
+    s_pack = packed_step.init_state(policy.params)
+    # The step donates its state: each call gets a fresh copy.
+    t_flat = _best(lambda: flat_step(jax.tree.map(jnp.copy, s_flat), fd, key)[1]["loss"], repeats)
+    t_pack = _best(lambda: packed_step(jax.tree.map(jnp.copy, s_pack), pd, key)[1]["loss"], repeats)
+    flat_tokens = int(np.asarray(flat.seq_lens).sum())
+    packed_tokens = int(np.asarray(packed.lengths).sum())
+    ideal = flat_tokens / packed_tokens
+    return {
+        "case": name, "groups": n_groups, "leaves": len(rows),
+        "flat_tokens_per_group": flat_tokens / n_groups, "packed_tokens_per_group": packed_tokens / n_groups,
+        "flat_shape": list(flat.shape), "packed_shape": list(packed.shape),
+        "flat_forwarded": int(np.prod(flat.shape)), "packed_forwarded": int(np.prod(packed.shape)),
+        "ideal_ratio": ideal, "flat_step_s": t_flat, "packed_step_s": t_pack, "speedup": t_flat / t_pack,
+        "efficiency": t_flat / t_pack / ideal,
+    }
+
+
+HEAD = (f"{'case':<16}{'leaves':>7}{'flat tok/g':>11}{'packed tok/g':>13}{'flat BxT':>11}{'packed RxL':>11}"
+        f"{'ideal':>7}{'flat s':>8}{'packed s':>9}{'speedup':>8}{'eff.':>6}")
+
+
+def _row(r: dict[str, Any]) -> str:
+    return (f"{r['case']:<16}{r['leaves']:>7}{r['flat_tokens_per_group']:>11.0f}{r['packed_tokens_per_group']:>13.0f}"
+            f"{'x'.join(map(str, r['flat_shape'])):>11}{'x'.join(map(str, r['packed_shape'])):>11}"
+            f"{r['ideal_ratio']:>7.2f}{r['flat_step_s']:>8.3f}{r['packed_step_s']:>9.3f}{r['speedup']:>8.2f}"
+            f"{r['efficiency']:>6.2f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--factors", default="1,2,4,8")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--leaves", type=int, default=16)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--patr-groups", type=int, default=16)
+    ap.add_argument("--no-patr", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--minibatches", type=int, default=4)
+    ap.add_argument("--micro-rows", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from flax import nnx
+
+    from jaxprm.models import Transformer, tiny_config
+
+    load_before = os.getloadavg()
+    policy = Policy(Transformer(tiny_config(), rngs=nnx.Rngs(0)))
+    vocab = policy.config.vocab_size
+    kw = dict(repeats=args.repeats, epochs=args.epochs, minibatches=args.minibatches, micro_rows=args.micro_rows)
+    print(f"jax {jax.__version__} on {jax.default_backend()}; tiny policy; load {load_before[0]:.2f}")
+    print(HEAD, flush=True)
+    results = []
+    if not args.no_patr:
+        rows, info = patr_rows(args.patr_groups)
+        results.append({**run_case("patr default", rows, policy, **kw), "rollout": info})
+        print(_row(results[-1]), flush=True)
+    for f in (float(x) for x in args.factors.split(",")):
+        rows = synthetic_rows(f, groups=args.groups, leaves=args.leaves, suffix=args.suffix, vocab=vocab)
+        results.append(run_case(f"synthetic f={f:g}", rows, policy, **kw))
+        print(_row(results[-1]), flush=True)
+    out = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                    "backend": jax.default_backend()},
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "args": vars(args), "results": results,
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+        print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

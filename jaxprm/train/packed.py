@@ -1,0 +1,235 @@
+"""The tree-packed PPO step (``rollout.export: tree_packed``): each shared prefix forwarded once.
+
+``PackedTrainStep`` is ``TrainStep`` over a ``jaxprm.PackedBatch``: the model sees packed rows with
+their depth positions and block-sparse ancestor attention (``query_blocks`` / ``key_blocks``), log-probs are read at each token's
+parent position (``jaxprm.learner.packed_logprobs``) and the loss is ``jaxprm.packed_policy_loss``
+over the per-token advantage sums (``jaxprm.pack_advantages``), which equals the flat rows' loss,
+gradient and metrics (see ``jaxprm.learner.packing``). Advantages are computed on the flat batch,
+so every advantage option works unchanged.
+
+Minibatches split packed rows (whole trees) instead of leaves; with one minibatch and one epoch
+the update equals the flat one. Denominators: the minibatch's (token, leaf) pairs for
+``token-mean``, its leaves with an active token for the seq-mean modes.
+
+``learn_packed(job, groups, rewards, step)`` is the trainer's learn step for this export. When
+packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. flat groups whose
+leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
+costs gathers that only pay when tokens are actually shared.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxprm
+from rollout.export import export_groups_packed
+
+from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
+from jaxprm.learner.packing import PackedBatch
+from jaxprm.train.step import TrainState, TrainStep, reference_logprobs, step_inputs
+
+__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
+
+MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
+_ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
+_SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
+
+
+def packed_step_inputs(packed: PackedBatch, batch, advantages: jax.Array, *, agg: str) -> dict[str, jax.Array]:
+    """The arrays ``PackedTrainStep`` reads: the packed layout plus ``pack_advantages`` of the flat
+    ``advantages [B, T]`` (masked by the flat batch's ``loss_mask * row_weights``)."""
+    mask = batch.loss_mask * batch.row_weights[:, None]
+    pa = pack_advantages(advantages, mask, packed, agg=agg)
+    pa = jax.tree.map(lambda x: x * packed.row_weights.reshape((-1,) + (1,) * (x.ndim - 1)), pa)
+    return {
+        "tokens": packed.tokens, "positions": packed.positions, "parents": packed.parents,
+        "query_blocks": packed.query_blocks, "key_blocks": packed.key_blocks, "old_logprobs": packed.old_logprobs,
+        "row_weights": packed.row_weights, **pa._asdict(),
+    }
+
+
+def packed_row_buckets(multiple: int, largest: int = 1 << 12) -> tuple[int, ...]:
+    """Packed row counts: ``multiple`` times powers of two (few shapes, divisible by the minibatch
+    count and the device count)."""
+    out, k = [], 1
+    while k * multiple <= largest:
+        out.append(k * multiple)
+        k *= 2
+    return tuple(out)
+
+
+def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+    R = data["tokens"].shape[0]
+    per_mb = (n_real + n_mb - 1) // n_mb
+    i = jnp.arange(mb_rows)
+    pos = k * per_mb + i
+    valid = (i < per_mb) & (pos < n_real)
+    idx = order[jnp.clip(pos, 0, R - 1)]
+    mb = {name: jnp.take(v, idx, axis=0) for name, v in data.items()}
+    for key in (*_ADV_KEYS, "row_leaves"):
+        v = mb[key]
+        mb[key] = v * valid.reshape((-1,) + (1,) * (v.ndim - 1)).astype(v.dtype)
+    return mb
+
+
+class PackedTrainStep(TrainStep):
+    """``TrainStep`` over tree-packed rows (see the module docstring).
+
+    ``apply_fn(params, tokens, positions, query_blocks=, key_blocks=) -> logits`` (``Policy.apply_fn``;
+    block-sparse tree attention, see ``Transformer``);
+    ``loss_kwargs`` as ``TrainStep`` (eps_clip, eps_clip_higher, c_clip, agg); ``microbatch_tokens``
+    bounds the packed tokens per gradient-accumulation chunk (a divisor of the minibatch rows).
+    """
+
+    def __init__(self, apply_fn, optimizer, *, epochs: int = 1, num_minibatches: int = 1,
+                 loss_kwargs: dict | None = None, mesh=None, microbatch_tokens: int | None = None) -> None:
+        super().__init__(apply_fn, optimizer, packed_policy_loss, epochs=epochs, num_minibatches=num_minibatches,
+                         loss_kwargs=loss_kwargs, mesh=mesh)
+        self.microbatch_tokens = microbatch_tokens
+
+    @classmethod
+    def like(cls, step: TrainStep, *, microbatch_tokens: int | None = None) -> PackedTrainStep:
+        """A packed step with the optimizer, loss options, epochs, minibatches and mesh of ``step``."""
+        return cls(step.apply_fn, step.optimizer, epochs=step.epochs, num_minibatches=step.num_minibatches,
+                   loss_kwargs=step.loss_kwargs, mesh=step.mesh, microbatch_tokens=microbatch_tokens)
+
+    def _micro_rows(self, mb_rows: int, L: int) -> int:
+        if not self.microbatch_tokens:
+            return mb_rows
+        cap = max(1, self.microbatch_tokens // L)
+        return max(d for d in range(1, mb_rows + 1) if mb_rows % d == 0 and d <= cap)
+
+    def _step(self, state: TrainState, data: dict, rng: jax.Array):
+        self.compiles += 1  # trace time only
+        R, L = data["tokens"].shape
+        n_mb = self.num_minibatches
+        if R % n_mb:
+            raise ValueError(f"packed rows {R} not divisible by ppo.num_minibatches={n_mb}")
+        mb_rows = R // n_mb
+        real = data["row_weights"] > 0
+        n_real = real.sum().astype(jnp.int32)
+        micro = self._micro_rows(mb_rows, L)
+        n_micro = mb_rows // micro
+        kw = dict(self.loss_kwargs)
+        per_seq = kw.get("agg", "token-mean") != "token-mean"
+
+        def micro_objective(params, mc, denom):
+            logits = self.apply_fn(params, mc["tokens"], mc["positions"], query_blocks=mc["query_blocks"],
+                                   key_blocks=mc["key_blocks"])
+            logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
+            adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
+            loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **kw)
+            return loss * jnp.maximum(metrics["loss_count"], 1.0) / denom, metrics
+
+        grad_fn = jax.grad(micro_objective, has_aux=True)
+
+        def mb_update(carry, xs):
+            params, opt_state = carry
+            order, k = xs
+            mb = _minibatch(data, order, n_real, k, mb_rows, n_mb)
+            pairs = mb["count"].sum()
+            denom = jnp.maximum(mb["row_leaves"].sum() if per_seq else pairs, 1.0)
+            chunks = jax.tree.map(lambda v: v.reshape((n_micro, micro) + v.shape[1:]), mb)
+
+            def acc(carry2, mc):
+                g_acc, s_acc = carry2
+                g, met = grad_fn(params, mc, denom)
+                return (jax.tree.map(jnp.add, g_acc, g), {key: s_acc[key] + met[key] for key in s_acc}), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, params)
+            zeros_s = {key: jnp.zeros((), jnp.float32) for key in _SUM_KEYS}
+            (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), chunks)
+            gnorm = optax.global_norm(grads)
+            updates, new_opt = self.optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            active = pairs > 0
+            keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
+            params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, new_opt, opt_state)
+            nv = jnp.maximum(sums["n_valid_tokens"], 1.0)
+            out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
+                   "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
+                   "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
+                   "active": active.astype(jnp.float32), "tokens": pairs}
+            return (params, opt_state), out
+
+        def epoch(carry, key):
+            u = jax.random.uniform(key, (R,))
+            order = jnp.argsort(jnp.where(real, u, 2.0))
+            return jax.lax.scan(mb_update, carry, (jnp.broadcast_to(order, (n_mb, R)), jnp.arange(n_mb)))
+
+        keys = jax.random.split(rng, self.epochs)
+        (params, opt_state), outs = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
+        w = outs["active"]
+        denom = jnp.maximum(w.sum(), 1.0)
+        metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "tokens")}
+        metrics["updates"] = w.sum()
+        metrics["behavior_kl"] = outs["approx_kl"][0, 0]
+        metrics["trained_tokens"] = outs["tokens"].sum() / self.epochs
+        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
+    """The trainer's learn step for ``rollout.export: tree_packed``: export the groups flat (for
+    ``compute_advantages``) and packed (for the model), reference log-probs from one packed
+    forward, then the ``PackedTrainStep`` (built once from ``job.step_fn``). ``job`` is the trainer
+    (``cfg``, ``policy``, ``step_fn``, ``state``, ``capacity``, ``mesh``, ``adv_cfg``, ``ref_params``,
+    ``prm``, ``base_key``)."""
+    cfg = job.cfg
+    packed_step = getattr(job, "_packed_step", None)
+    if packed_step is None:
+        flat_len = max(cfg.ppo.len_buckets)
+        packed_step = PackedTrainStep.like(job.step_fn, microbatch_tokens=(cfg.ppo.microbatch_rows or 0) * flat_len or None)
+        job._packed_step = packed_step
+    n_dev = job.mesh.devices.size
+    mult = math.lcm(cfg.ppo.num_minibatches, n_dev)
+    batch, packed, meta = export_groups_packed(
+        groups, process_rewards=rewards if job.prm is not None else None,
+        row_buckets=(job.capacity,), len_buckets=tuple(cfg.ppo.len_buckets), min_rows=job.capacity,
+        packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.len_buckets))
+    flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
+    use_packed = flat_tokens >= MIN_SHARING * packed_tokens
+    if job.ref_params is not None:
+        if use_packed:
+            ref = _packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed)
+            ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
+        else:
+            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
+            ref = reference_logprobs(job.policy.apply_fn, job.ref_params, batch.tokens, pos)
+        batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
+    adv = jaxprm.compute_advantages(batch, job.adv_cfg)
+    key = jax.random.fold_in(job.base_key, step)
+    if use_packed:
+        job.state, m = packed_step(job.state, packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg), key)
+    else:
+        job.state, m = job.step_fn(job.state, step_inputs(batch, adv.advantages), key)
+    job.policy.params = job.state.params
+    out = {k: float(v) for k, v in jax.device_get(m).items()}
+    out["packed_step"] = float(use_packed)
+    out["rows"] = len(meta)
+    out["seq_len"] = int(batch.tokens.shape[1])
+    out["packed_rows"] = int((packed.row_weights > 0).sum())
+    out["packed_len"] = int(packed.tokens.shape[1])
+    out["forwarded_tokens"] = packed_tokens if use_packed else flat_tokens
+    out["flat_tokens"] = flat_tokens
+    out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
+    if job.prm is not None:
+        out["process_reward_mean"] = float(jnp.sum(batch.process_rewards) / jnp.maximum(batch.loss_mask.sum(), 1))
+    return out
+
+
+_REF_CACHE: dict = {}
+
+
+def _packed_ref_logprobs(apply_fn, params, packed: PackedBatch) -> jax.Array:
+    fn = _REF_CACHE.get(id(apply_fn))
+    if fn is None:
+        fn = jax.jit(lambda p, t, q, qb, kb, par: packed_logprobs(
+            apply_fn(p, t, q, query_blocks=qb, key_blocks=kb), t, par))
+        _REF_CACHE[id(apply_fn)] = fn
+    return fn(params, packed.tokens, packed.positions, packed.query_blocks, packed.key_blocks, packed.parents)
