@@ -1,0 +1,130 @@
+"""Checkpoints that survive damage: ``Checkpointer.restore_latest`` falls back past a damaged latest
+checkpoint (truncated array file, garbage metadata, empty directory, half-written directory) with a
+warning naming it, fails in one line when none restores, and names the mismatched parameter and
+shapes (moving nothing) when the checkpoint does not fit the model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxprm.train.rundir import CheckpointError, Checkpointer, CheckpointMismatch
+
+
+def _tree(v: float):
+    return {"params": {"w": jnp.full((4, 5), v, jnp.float32), "b": jnp.arange(3, dtype=jnp.int32) + int(v)},
+            "rng": jnp.asarray([1, 2], jnp.uint32)}
+
+
+def _truncate_array_file(d: Path) -> None:
+    files = [p for p in (d / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files
+    for f in files:
+        os.truncate(f, f.stat().st_size // 2)
+
+
+def _garbage_metadata(d: Path) -> None:
+    (d / "state" / "_METADATA").write_bytes(np.random.default_rng(0).bytes(200))
+
+
+def _empty_directory(d: Path) -> None:
+    shutil.rmtree(d)
+    d.mkdir()
+
+
+def _half_written(d: Path) -> None:
+    """What a copy or save cut short leaves: the arrays' item, but no metadata item and no commit marker."""
+    shutil.rmtree(d / "meta")
+    (d / "commit_success.txt").unlink()
+
+
+DAMAGE = {"truncated array file": _truncate_array_file, "garbage metadata": _garbage_metadata,
+          "empty directory": _empty_directory, "half-written directory": _half_written}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Three checkpoints (steps 1, 2, 3) of a small tree, written once and copied per test."""
+    d = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    ck = Checkpointer(d, keep=3, async_save=False)
+    for s in (1, 2, 3):
+        ck.save(s, _tree(float(s)), {"step": s, "data_pos": 10 * s})
+    ck.close()
+    return d
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    d = tmp_path / "run" / "checkpoints"
+    shutil.copytree(saved, d)
+    return d
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_that_restores(saved, tmp_path, kind):
+    d = _copy(saved, tmp_path)
+    DAMAGE[kind](d / "3")
+    logs: list[str] = []
+    ck = Checkpointer(d, keep=3, async_save=False)
+    step, state, meta = ck.restore_latest(_tree(0.0), log=logs.append)
+    assert step == 2 and meta == {"step": 2, "data_pos": 20}
+    np.testing.assert_array_equal(state["params"]["w"], np.full((4, 5), 2.0, np.float32))
+    warning = next(m for m in logs if "checkpoint 3" in m)
+    assert "damaged" in warning and str(d / "3") in warning
+    assert any("resuming from checkpoint 2" in m for m in logs)
+    # moved aside, kept for inspection; the step can be written again and restored
+    assert (d.parent / "checkpoints.damaged" / "3").is_dir() and not (d / "3").exists()
+    assert ck.all_steps() == [1, 2]
+    ck.save(3, _tree(7.0), {"step": 3, "data_pos": 31})
+    ck.close()
+    step, state, meta = Checkpointer(d).restore_latest(_tree(0.0), log=logs.append)
+    assert step == 3 and meta["data_pos"] == 31 and float(state["params"]["w"][0, 0]) == 7.0
+
+
+def test_two_damaged_checkpoints_are_both_skipped(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    _empty_directory(d / "3")
+    _truncate_array_file(d / "2")
+    logs: list[str] = []
+    step, _, _ = Checkpointer(d).restore_latest(_tree(0.0), log=logs.append)
+    assert step == 1
+    assert sum("is damaged" in m for m in logs) == 2
+    assert sorted(p.name for p in (d.parent / "checkpoints.damaged").iterdir()) == ["2", "3"]
+
+
+def test_no_checkpoint_restores_is_one_clear_line(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    for s, kind in zip((1, 2, 3), ("empty directory", "truncated array file", "garbage metadata")):
+        DAMAGE[kind](d / str(s))
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(d).restore_latest(_tree(0.0), log=lambda m: None)
+    msg = str(info.value)
+    assert "\n" not in msg and "none of the 3 checkpoints" in msg and str(d) in msg
+    assert "3:" in msg and "2:" in msg and "1:" in msg
+    assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == ["1", "2", "3"]  # nothing moved
+
+
+def test_no_checkpoint_at_all_is_none(tmp_path):
+    assert Checkpointer(tmp_path / "checkpoints").restore_latest(_tree(0.0)) is None
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_parameter_and_shapes(saved, tmp_path):
+    d = _copy(saved, tmp_path)
+    wider = _tree(0.0)
+    wider["params"]["w"] = jnp.zeros((4, 6), jnp.float32)
+    with pytest.raises(CheckpointMismatch, match=r"params\.w has shape \(4, 5\) in the checkpoint but \(4, 6\)"):
+        Checkpointer(d).restore_latest(wider, log=lambda m: None)
+    extra = _tree(0.0)
+    extra["ref"] = {"w": jnp.zeros((2,), jnp.float32)}
+    with pytest.raises(CheckpointMismatch, match=r"ref\.w \(shape \(2,\)\) of the configured model is not in the checkpoint"):
+        Checkpointer(d).restore_latest(extra, log=lambda m: None)
+    other_dtype = jax.tree.map(lambda x: x, _tree(0.0))
+    other_dtype["params"]["w"] = other_dtype["params"]["w"].astype(jnp.bfloat16)
+    with pytest.raises(CheckpointMismatch, match=r"params\.w has dtype float32 in the checkpoint but bfloat16"):
+        Checkpointer(d).restore_latest(other_dtype, log=lambda m: None)
+    assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == ["1", "2", "3"]  # not damage: nothing moved
