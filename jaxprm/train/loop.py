@@ -292,10 +292,14 @@ class _Job:
             row["skipped"] = True
         t3 = time.perf_counter()
         self.timings["learn"] += t3 - t2
+        try:  # before the new weights are pushed: a sampler that is not the learner's policy stops the run
+            self.gen.check_behavior(step, row)
+        except TrainError:
+            self.metrics.log(step, "train", {**row, "rollout_s": t1 - t0, "learn_s": t3 - t2})
+            raise
         await self.gen.sync(step)
         row.update(rollout_s=t1 - t0, learn_s=t3 - t2, step_s=time.perf_counter() - t0)
         self.metrics.log(step, "train", row)
-        self.gen.check_behavior(step, row)
         return row
 
     def _keep_example_tree(self, groups) -> None:

@@ -5,7 +5,6 @@ shapes (moving nothing) when the checkpoint does not fit the model."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -14,38 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.kill_and_damage import DAMAGE, empty_directory, truncate_array_file
 from jaxprm.train.rundir import CheckpointError, Checkpointer, CheckpointMismatch
 
 
 def _tree(v: float):
     return {"params": {"w": jnp.full((4, 5), v, jnp.float32), "b": jnp.arange(3, dtype=jnp.int32) + int(v)},
             "rng": jnp.asarray([1, 2], jnp.uint32)}
-
-
-def _truncate_array_file(d: Path) -> None:
-    files = [p for p in (d / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-    assert files
-    for f in files:
-        os.truncate(f, f.stat().st_size // 2)
-
-
-def _garbage_metadata(d: Path) -> None:
-    (d / "state" / "_METADATA").write_bytes(np.random.default_rng(0).bytes(200))
-
-
-def _empty_directory(d: Path) -> None:
-    shutil.rmtree(d)
-    d.mkdir()
-
-
-def _half_written(d: Path) -> None:
-    """What a copy or save cut short leaves: the arrays' item, but no metadata item and no commit marker."""
-    shutil.rmtree(d / "meta")
-    (d / "commit_success.txt").unlink()
-
-
-DAMAGE = {"truncated array file": _truncate_array_file, "garbage metadata": _garbage_metadata,
-          "empty directory": _empty_directory, "half-written directory": _half_written}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +62,8 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_that_restores(saved,
 
 def test_two_damaged_checkpoints_are_both_skipped(saved, tmp_path):
     d = _copy(saved, tmp_path)
-    _empty_directory(d / "3")
-    _truncate_array_file(d / "2")
+    empty_directory(d / "3")
+    truncate_array_file(d / "2")
     logs: list[str] = []
     step, _, _ = Checkpointer(d).restore_latest(_tree(0.0), log=logs.append)
     assert step == 1

@@ -24,7 +24,7 @@ from jaxprm.train.rundir import Checkpointer, RunDirBusy, RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["env.train_tasks=16", "env.eval_tasks=2", "eval.num_tasks=2", "rollout.tasks_per_step=2",
-        "rollout.group_size=2", "rollout.strategy=flat", "warm_start.enabled=false", "progress=false", "steps=3"]
+        "rollout.group_size=4", "rollout.b0=2", "rollout.top_k=1", "rollout.strategy=flat", "warm_start.enabled=false", "progress=false", "steps=3"]
 
 
 @pytest.fixture(scope="module")
