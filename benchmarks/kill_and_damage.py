@@ -2,7 +2,7 @@
 middle of a checkpoint save), resume it each time, then damage its latest checkpoint in one of four
 ways and resume once more; every campaign must end with train rows for steps exactly 1..N.
 
-    python -m benchmarks.kill_and_damage [--steps 6] [--kills 3] [--seed 0] [--json PATH]
+    python -m benchmarks.kill_and_damage [--steps 6] [--kills 3] [--strategy flat|tree_random|patr] [--json PATH]
 
 One campaign per damage kind (truncated array file, garbage metadata, empty directory, half-written
 directory). Uninterrupted reference runs of the same config give the yardstick for what a resume
@@ -34,7 +34,7 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CONFIG = [
     "env.train_tasks=32", "env.eval_tasks=2", "eval.num_tasks=2", "eval.samples=2", "eval.every_steps=3",
     "eval.at_start=false", "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.b0=2", "rollout.top_k=1",
-    "rollout.strategy=flat", "warm_start.enabled=false", "checkpoint.every_steps=1", "checkpoint.keep=3",
+    "warm_start.enabled=false", "checkpoint.every_steps=1", "checkpoint.keep=3",
     "progress=false", "plots=false", "export_final=true",
 ]
 #: Fields of a train row that are data (what was sampled and rewarded), not timings or float losses.
@@ -174,10 +174,11 @@ def _compare(run: Path, ref: Path) -> dict:
             "params_bitwise_equal": bool(a) and all(np.array_equal(a[k], b[k]) for k in b)}
 
 
-def campaign(kind: str, work: Path, steps: int, kills: int, rng: random.Random, timeout: float) -> dict:
+def campaign(kind: str, work: Path, config: list[str], steps: int, kills: int, rng: random.Random,
+             timeout: float) -> dict:
     run = work / kind.replace(" ", "_")
     log = work / f"{run.name}.log"
-    base = [*CONFIG, f"steps={steps}", f"run_dir={run}"]
+    base = [*config, f"steps={steps}", f"run_dir={run}"]
     events, t0 = [], time.monotonic()
     proc = _start(base, log)
     events.append(_kill_at_random(proc, run, steps, rng, timeout))
@@ -211,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--kills", type=int, default=3, help="SIGKILLs per campaign before the damage")
     p.add_argument("--references", type=int, default=2, help="uninterrupted reference runs")
+    p.add_argument("--strategy", default="flat", choices=("flat", "tree_random", "patr"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per process")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kill_and_damage.json"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
+    config = [*CONFIG, f"rollout.strategy={args.strategy}"]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kill_and_damage-"))
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
@@ -224,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     refs = []
     for i in range(args.references):
         ref = work / f"reference-{i}"
-        rc = _finish([*CONFIG, f"steps={args.steps}", f"run_dir={ref}"], work / f"reference-{i}.log", args.timeout)
+        rc = _finish([*config, f"steps={args.steps}", f"run_dir={ref}"], work / f"reference-{i}.log", args.timeout)
         if rc != 0:
             print(f"reference run {i} failed ({rc}); see {work}/reference-{i}.log", file=sys.stderr)
             return 1
         refs.append(ref)
     results = []
     for kind in DAMAGE:
-        res = campaign(kind, work, args.steps, args.kills, rng, args.timeout)
+        res = campaign(kind, work, config, args.steps, args.kills, rng, args.timeout)
         res["vs_reference"] = _compare(Path(res["run_dir"]), refs[0]) if res["final_returncode"] == 0 else None
         results.append(res)
         print(f"{kind}: kills={[(e['mode'], e.get('steps_done'), e.get('while_saving')) for e in res['kills']]} "
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_param_diff_vs_reference": max(((r["vs_reference"] or {}).get("max_param_diff") or 0.0) for r in results),
         "reference_vs_reference": between_refs,
     }
-    out = {"config": {"steps": args.steps, "kills_per_campaign": args.kills, "seed": args.seed, "overrides": CONFIG},
+    out = {"config": {"steps": args.steps, "kills_per_campaign": args.kills, "seed": args.seed,
+                      "overrides": config},
            "summary": summary, "campaigns": results, "wall_s": time.monotonic() - t0,
            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpu_count": os.cpu_count()}
     print("\n| damage | kills (mode@steps, mid-save) | steps 1..N | warned | data = ref | max |dparam| |")

@@ -5,6 +5,7 @@ shapes (moving nothing) when the checkpoint does not fit the model."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -102,3 +103,31 @@ def test_a_checkpoint_that_does_not_fit_names_the_parameter_and_shapes(saved, tm
     with pytest.raises(CheckpointMismatch, match=r"params\.w has dtype float32 in the checkpoint but bfloat16"):
         Checkpointer(d).restore_latest(other_dtype, log=lambda m: None)
     assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == ["1", "2", "3"]  # not damage: nothing moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_trainer_resumes_past_a_damaged_latest_checkpoint(tmp_path, kind):
+    """A real run of 3 steps, its latest checkpoint damaged, then ``--resume``: the warning names the
+    damaged checkpoint, step 3 is trained again and the rows are steps exactly 1..3."""
+    import subprocess
+    import sys
+
+    from jaxprm.train.rundir import read_metrics
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL="3")
+    run = tmp_path / "run"
+    args = ["env.train_tasks=16", "env.eval_tasks=2", "eval.num_tasks=2", "eval.samples=2", "eval.at_start=false",
+            "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.b0=2", "rollout.top_k=1",
+            "rollout.strategy=flat", "warm_start.enabled=false", "checkpoint.every_steps=1", "progress=false",
+            "plots=false", "export_final=false", "steps=3", f"run_dir={run}"]
+    cmd = [sys.executable, "-m", "jaxprm.train"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=root, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    DAMAGE[kind](run / "checkpoints" / "3")
+    out = subprocess.run([*cmd, "--resume", str(run)], capture_output=True, text=True, cwd=root, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"checkpoint 3 ({run / 'checkpoints' / '3'}) is damaged" in out.stdout
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    assert Checkpointer(run / "checkpoints").latest_step() == 3 and (run / "checkpoints.damaged" / "3").is_dir()
