@@ -95,6 +95,16 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _checkpoints(run: Path) -> list[int]:
+    d = run / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def _again(run: Path, base: list[str]) -> list[str]:
+    """``--resume RUN`` once the run wrote its config; a run killed before that starts afresh."""
+    return ["--resume", str(run)] if (run / "config.yaml").is_file() else base
+
+
 def _kill(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)  # the whole session: server thread, checkpoint writers
     proc.wait(60)
@@ -183,16 +193,13 @@ def campaign(kind: str, work: Path, config: list[str], steps: int, kills: int, r
     proc = _start(base, log)
     events.append(_kill_at_random(proc, run, steps, rng, timeout))
     for _ in range(kills - 1):
-        proc = _start(["--resume", str(run)], log)
+        proc = _start(_again(run, base), log)
         events.append(_kill_at_random(proc, run, steps, rng, timeout))
     # keep going until two checkpoints exist, so that one older than the damaged one is kept
-    from jaxprm.train.rundir import Checkpointer
-
-    while len(Checkpointer(run / "checkpoints").all_steps()) < 2:
-        if _finish(["--resume", str(run)], log, timeout) != 0:
-            break
-    ck_steps = Checkpointer(run / "checkpoints").all_steps()
-    latest = ck_steps[-1]
+    while len(_checkpoints(run)) < 2:
+        if _finish(_again(run, base), log, timeout) != 0:
+            raise RuntimeError(f"{run}: a resume failed; see {log}")
+    latest = _checkpoints(run)[-1]
     DAMAGE[kind](run / "checkpoints" / str(latest))
     n_before = len(log.read_text().splitlines())
     rc = _finish(["--resume", str(run)], log, timeout)

@@ -4,6 +4,7 @@ directory, the stream of training tasks, and the ordered cleanup of everything i
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,9 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
             i += 1
         cfg.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    tmp = run_dir / "config.yaml.tmp"  # atomically: a run killed here is a fresh directory, not a torn one
+    tmp.write_text(dump_yaml(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
     return run_dir
 
 
