@@ -25,7 +25,8 @@ from jaxprm.serve.errors import APIError
 __all__ = ["MAX_WEIGHT_VERSION", "LOAD_FAILED", "resolve_roots", "weights_path", "parse_version", "check_version_order"]
 
 MAX_WEIGHT_VERSION = 2**31 - 1
-LOAD_FAILED = "could not load weights from model_path: not a loadable checkpoint directory or .gguf file"
+LOAD_FAILED = ("could not load weights from model_path: not a checkpoint of this model (Hugging Face directory or "
+               ".gguf file) that the server can read; the server log has the cause")
 
 
 def resolve_roots(roots: Sequence[str | os.PathLike]) -> tuple[str, ...]:
