@@ -220,13 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=3, help="SIGKILLs per campaign before the damage")
     p.add_argument("--references", type=int, default=2, help="uninterrupted reference runs")
     p.add_argument("--strategy", default="flat", choices=("flat", "tree_random", "patr"))
+    p.add_argument("--set", nargs="*", default=[], metavar="key=value", help="extra trainer overrides")
+    p.add_argument("--kinds", default=",".join(DAMAGE), help="damage kinds to run, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per process")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kill_and_damage.json"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
-    config = [*CONFIG, f"rollout.strategy={args.strategy}"]
+    config = [*CONFIG, f"rollout.strategy={args.strategy}", *args.set]
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if unknown := set(kinds) - set(DAMAGE):
+        p.error(f"--kinds: unknown {sorted(unknown)}; known: {list(DAMAGE)}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kill_and_damage-"))
     work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
@@ -240,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         refs.append(ref)
     results = []
-    for kind in DAMAGE:
+    for kind in kinds:
         res = campaign(kind, work, config, args.steps, args.kills, rng, args.timeout)
         res["vs_reference"] = _compare(Path(res["run_dir"]), refs[0]) if res["final_returncode"] == 0 else None
         results.append(res)
