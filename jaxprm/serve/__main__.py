@@ -11,6 +11,7 @@ import uvicorn
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.app import create_app
 from jaxprm.serve.serving import ServeConfig
+from jaxprm.serve.weights import resolve_roots
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: --model)")
     p.add_argument("--api-key", default=os.environ.get("JAXPRM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $JAXPRM_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' (default: $JAXPRM_API_KEY, else no key); "
+                        "an empty key is an error")
+    p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
+                   help="/update_weights_from_disk loads only from under DIR (repeatable; none: loading from "
+                        "disk is refused)")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (rows)")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
                    help="dynamic batching: close a batch when no request arrived for this long")
@@ -38,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key (or $JAXPRM_API_KEY) is empty; give a key, or leave both unset to serve without one")
+    try:
+        weights_roots = resolve_roots(args.weights_root)
+    except ValueError as exc:
+        parser.error(f"--weights-root: {exc}")
     logging.basicConfig(level=args.log_level.upper())
     from jaxprm.models import load_model
 
@@ -49,7 +61,7 @@ def main(argv=None) -> None:
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          logprobs_mode=args.logprobs_mode, collect_window_s=args.batch_window_ms / 1000.0,
                          max_collect_s=args.max_batch_wait_ms / 1000.0,
-                         max_batch=args.max_batch)
+                         max_batch=args.max_batch, weights_roots=weights_roots)
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

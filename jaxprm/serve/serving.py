@@ -23,6 +23,7 @@ from typing import Any
 from jaxprm.serve.engine import BatchingEngine
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
+from jaxprm.serve.weights import resolve_roots
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params"]
 
@@ -43,6 +44,8 @@ class ServeConfig:
         arrived for ``collect_window_s``, ``max_collect_s`` after its first request, or at
         ``max_batch`` rows (see ``BatchingEngine``).
       max_stop_strings: most ``stop`` strings per request.
+      weights_roots: directories ``/update_weights_from_disk`` may load from (resolved; each must
+        exist); empty: loading from disk is refused (see ``jaxprm.serve.weights``).
     """
 
     model_name: str = "jaxprm"
@@ -57,10 +60,14 @@ class ServeConfig:
     max_collect_s: float = 0.05
     max_batch: int | None = None
     max_stop_strings: int = 16
+    weights_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (None serves without a key)")
+        self.weights_roots = resolve_roots(self.weights_roots)
 
 
 class Serving:

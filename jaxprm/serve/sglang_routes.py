@@ -3,13 +3,15 @@
 * ``/generate``: ``text`` or ``input_ids`` (one or a batch), ``sampling_params``, ``return_logprob``
   -> ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text_or_null]``; the weight
   version in ``meta_info.weight_version``.
-* ``/update_weights_from_disk``: load a saved checkpoint (``{"model_path": ...}``) and swap it in.
+* ``/update_weights_from_disk``: load a saved checkpoint (``{"model_path": ...}``) from under the
+  server's weights roots and swap it in (the guards are in ``jaxprm.serve.weights``).
 * ``/get_weight_version``, ``/get_model_info``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
@@ -21,8 +23,11 @@ from jaxprm.serve.errors import APIError
 from jaxprm.serve.protocol import GenerateRequest, UpdateWeightsFromDiskRequest
 from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
+from jaxprm.serve.weights import LOAD_FAILED, check_version_order, parse_version, weights_path
 
 __all__ = ["sglang_router"]
+
+log = logging.getLogger(__name__)
 
 
 def sglang_router(srv: Serving) -> APIRouter:
@@ -102,23 +107,21 @@ def sglang_router(srv: Serving) -> APIRouter:
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
-        version = None
-        if req.weight_version is not None:
-            try:
-                version = int(req.weight_version)
-            except (TypeError, ValueError):
-                raise APIError("weight_version must be an integer", param="weight_version") from None
+        version = parse_version(req.weight_version)  # the guards: jaxprm.serve.weights
+        path = weights_path(req.model_path, config.weights_roots)
         load = srv.load_fn
         if load is None:
             from jaxprm.models import load_model as load
         async with srv.swap_lock:
+            check_version_order(version, srv.sampler.weight_version)
             try:
-                model, _ = await asyncio.to_thread(load, req.model_path)
+                model, _ = await asyncio.to_thread(load, str(path))
                 new_version = await asyncio.to_thread(srv.sampler.update_params, model, version=version)
-            except Exception as exc:  # a bad path or checkpoint is reported, the old weights stay
-                return JSONResponse({"success": False, "message": f"{type(exc).__name__}: {exc}",
+            except Exception as exc:  # the old weights stay; the cause is logged, not returned (no path probing)
+                log.warning("update_weights_from_disk %s failed: %s: %s", path, type(exc).__name__, exc)
+                return JSONResponse({"success": False, "message": LOAD_FAILED,
                                      "weight_version": srv.sampler.weight_version}, status_code=400)
-        return {"success": True, "message": f"loaded weights from {req.model_path}",
-                "weight_version": new_version, "num_paused_requests": 0}
+        return {"success": True, "message": "weights loaded", "weight_version": new_version,
+                "num_paused_requests": 0}
 
     return router

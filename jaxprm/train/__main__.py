@@ -18,7 +18,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Process-reward RL for multi-turn agents: rollout -> scoring -> GRPO/PPO update.",
     )
     p.add_argument("--config", help="YAML config file (applied over the embedded default)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest checkpoint that restores; overrides are "
+                        "recorded in RUN_DIR/config.resumes/ and kept by later resumes (seed and env.* are frozen)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides (YAML values)")
     return p
@@ -37,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--resume {run_dir}: no config.yaml there (not a run directory?)")
             if args.config:
                 raise ConfigError("--resume takes the config from the run directory; drop --config")
-            cfg = load_config(cfg_file, [*args.overrides, f"run_dir={run_dir}"])
+            from jaxprm.train.resume import check_resume, latest_config_file
+
+            # the latest recorded config (earlier resumes' overrides included) + this resume's overrides
+            cfg = load_config(latest_config_file(run_dir), [*args.overrides, f"run_dir={run_dir}"])
+            check_resume(run_dir, cfg)
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

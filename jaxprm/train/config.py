@@ -80,8 +80,14 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class ServerConfig:
-    """Generation server: ``embedded`` starts ``jaxprm.serve`` in-process on a free loopback port;
-    ``external`` talks to running vLLM / SGLang servers at ``urls``."""
+    """Generation server: ``embedded`` starts ``jaxprm.serve`` in-process on a free loopback port
+    (with a random API key that only the trainer's client knows; ``/update_weights_from_disk``
+    limited to the run directory); ``external`` talks to running vLLM / SGLang servers at ``urls``.
+
+    ``warn_behavior_kl`` / ``max_behavior_kl``: a train row's ``behavior_kl`` (the sampler's
+    log-probs against the learner's, before the step's first update; ~0 when the server serves the
+    learner's policy) above the first logs a warning, above the second stops the run with an error
+    (``null``: never stop)."""
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = dataclasses.field(default_factory=list)
@@ -95,6 +101,8 @@ class ServerConfig:
     max_batch: int = 64
     batch_window_ms: float = 5.0
     weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
+    warn_behavior_kl: float = 0.05
+    max_behavior_kl: float | None = 1.0
 
 
 @dataclasses.dataclass
@@ -619,6 +627,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             _check(u.startswith(("http://", "https://")), f"server.urls[{i}]", f"must start with http:// or https://, got {u!r}")
     _positive(s, "server", "timeout_s", "concurrency", "max_batch")
     _positive(s, "server", "max_retries", "batch_window_ms", allow_zero=True)
+    _positive(s, "server", "warn_behavior_kl", "max_behavior_kl", allow_zero=True)
+    if s.max_behavior_kl is not None:
+        _check(s.warn_behavior_kl <= s.max_behavior_kl, "server.warn_behavior_kl",
+               f"must be <= server.max_behavior_kl ({s.max_behavior_kl}), got {s.warn_behavior_kl}")
     d = cfg.distributed
     if d.enabled and d.coordinator_address is not None:
         _check(d.num_processes is not None and d.process_id is not None, "distributed",

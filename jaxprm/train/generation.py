@@ -4,10 +4,16 @@
 weights in place (a new weight version per step); ``external`` talks to running vLLM / SGLang /
 jaxprm servers at ``server.urls`` and syncs weights by saving the policy in Hugging Face format and
 calling ``/update_weights_from_disk`` on each (through the rollout client's retry policy).
+
+The embedded server requires a random API key that only the trainer's client is given, and loads
+weights from disk only under the run directory, so another local process cannot steer it.
+:meth:`Generation.check_behavior` watches the symptom anyway: a train row's ``behavior_kl`` above
+``server.warn_behavior_kl`` is a warning, above ``server.max_behavior_kl`` a :class:`TrainError`.
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ from jaxprm.serve import ServerHandle
 from jaxprm.train.adapters import client_config
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
+from jaxprm.train.setup import TrainError
 from rollout.chat import PromptBuilder
 from rollout.client import GenerationClient
 
@@ -45,16 +52,19 @@ class Generation:
         """Start the embedded server or check the external ones; an external server that is behind a
         resumed run gets the restored weights."""
         cfg, s = self.cfg, self.cfg.server
+        api_key = s.api_key
         if s.kind == "embedded":
+            api_key = secrets.token_urlsafe(32)  # known to this process only: nobody else can steer the server
             self.server = ServerHandle.start(
                 self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
-                model_name="jaxprm", sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context},
+                model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
+                sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context},
                 collect_window_s=s.batch_window_ms / 1000.0)
             urls = [self.server.url]
-            self.log(f"embedded server on {self.server.url}")
+            self.log(f"embedded server on {self.server.url} (API key required)")
         else:
             urls = list(s.urls)
-        self.client = GenerationClient(client_config(cfg, urls, api_key=s.api_key))
+        self.client = GenerationClient(client_config(cfg, urls, api_key=api_key))
         if s.kind == "external":
             await self.client.check_health()
             if s.token_backed:
@@ -74,6 +84,27 @@ class Generation:
             prev = out.parent / f"step-{step - 1}"
             if prev.exists():
                 shutil.rmtree(prev, ignore_errors=True)
+
+    def check_behavior(self, step: int, row: dict[str, Any]) -> None:
+        """Warn (``server.warn_behavior_kl``) or stop with :class:`TrainError`
+        (``server.max_behavior_kl``) when the train row's ``behavior_kl`` shows that the rollouts
+        were not sampled from the learner's policy. Rows without it (no update) pass."""
+        kl = row.get("behavior_kl")
+        if kl is None:
+            return
+        s = self.cfg.server
+        kl = float(kl)
+        where = "the embedded server" if self.server is not None else "the external server(s)"
+        if s.max_behavior_kl is not None and not kl <= s.max_behavior_kl:  # NaN stops too
+            raise TrainError(
+                f"step {step}: behavior_kl={kl:.4g} exceeds server.max_behavior_kl={s.max_behavior_kl}: {where} did not "
+                "sample from the learner's policy (weights replaced by someone else, or a weight sync that did not "
+                "take), so the step's data is off-policy; stopping. The last checkpoint is kept: fix the server and "
+                "--resume, or raise server.max_behavior_kl (null: never stop)")
+        if not kl <= s.warn_behavior_kl:
+            self.log(f"WARNING: step {step}: behavior_kl={kl:.4g} > server.warn_behavior_kl={s.warn_behavior_kl}: "
+                     f"{where} is not sampling from the learner's policy (weights replaced by someone else? a weight "
+                     "sync that did not take? sampling at temperature or top_p != 1?)")
 
     async def aclose(self) -> None:
         """Close the client, then stop the embedded server (both even if the first fails)."""

@@ -49,9 +49,11 @@ from jaxprm.train.agent_rollouts import AgentRollouts
 from jaxprm.train.compilation import PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
-from jaxprm.train.rundir import Checkpointer, MetricsLog, read_metrics
-from jaxprm.train.setup import Cleanup, TaskStream, TrainError, init_distributed, load_policy, prepare_run_dir
 from jaxprm.train.packed import learn_packed
+from jaxprm.train.resume import record_resume
+from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
+from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
+                                prepare_run_dir)
 from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, step_inputs
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import evaluate
@@ -115,6 +117,7 @@ class _Job:
         cfg = self.cfg
         init_distributed(cfg)
         self.run_dir = prepare_run_dir(cfg, self.resume)
+        self.cleanup.push("run directory lock", lock_run_dir(self.run_dir).release)
         self.policy = load_policy(cfg)
         self.train_tasks, self.eval_tasks = adapters.tasks(cfg)
         self.env_factory = adapters.env_factory(cfg)
@@ -155,7 +158,10 @@ class _Job:
             target = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
             if self.ref_params is not None:
                 target["ref"] = self.ref_params
-            step, restored, meta = self.ckpt.restore(target, restore_step)
+            try:  # the newest checkpoint that restores; a changed architecture fails here, named
+                step, restored, meta = self.ckpt.restore_latest(target, log=self.log)
+            except CheckpointError as e:
+                raise TrainError(f"--resume: {e}") from None
             self.state = restored["train"]
             self.base_key = jax.random.wrap_key_data(restored["rng"])
             self.ref_params = restored.get("ref", self.ref_params)
@@ -171,6 +177,10 @@ class _Job:
         if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):
             self.metrics.log(0, "warm_start", {k: v for k, v in self.warm_report.items()
                                                 if isinstance(v, (int, float, bool))})
+        if self.resume:
+            path, changes = record_resume(self.run_dir, cfg)
+            what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes) or "no overrides"
+            self.log(f"resume config recorded in {path.relative_to(self.run_dir)} ({what})")
 
     # -- pieces of a step -----------------------------------------------------------------------
     async def score(self, groups) -> tuple[list, list, dict[str, float]]:
@@ -267,10 +277,15 @@ class _Job:
             else:
                 self.state = dataclasses.replace(self.state, step=self.state.step + 1)
                 row["skipped"] = True
+        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile)
+        try:  # before the new weights are pushed (as in train_step)
+            self.gen.check_behavior(step, row)
+        except TrainError:
+            self.metrics.log(step, "train", row)
+            raise
         with self.times.phase("sync") as sync:
             await self.gen.sync(step)
-        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile,
-                   compile_s=rollout.compile + learning.compile + sync.compile, step_s=time.perf_counter() - t0)
+        row.update(compile_s=rollout.compile + learning.compile + sync.compile, step_s=time.perf_counter() - t0)
         self.metrics.log(step, "train", row)
         return row
 
@@ -309,11 +324,16 @@ class _Job:
             else:
                 self.state = dataclasses.replace(self.state, step=self.state.step + 1)
                 row["skipped"] = True
+        spans = (rollout, scoring, learning)
+        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile)
+        try:  # before the new weights are pushed: a sampler that is not the learner's policy stops the run
+            self.gen.check_behavior(step, row)
+        except TrainError:
+            self.metrics.log(step, "train", row)
+            raise
         with self.times.phase("sync") as sync:
             await self.gen.sync(step)
-        spans = (rollout, scoring, learning, sync)
-        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile,
-                   compile_s=sum(sp.compile for sp in spans), step_s=time.perf_counter() - t0)
+        row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0)
         self.metrics.log(step, "train", row)
         return row
 

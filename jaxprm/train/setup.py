@@ -4,6 +4,7 @@ directory, the stream of training tasks, and the ordered cleanup of everything i
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,13 @@ import numpy as np
 from flax import nnx
 
 from jaxprm.models import Transformer, load_model, tiny_config
-from jaxprm.train.config import TrainConfig, dump_yaml
+from jaxprm.train.config import ConfigError, TrainConfig, dump_yaml
 from jaxprm.train.policy import Policy
+from jaxprm.train.resume import check_resume
+from jaxprm.train.rundir import RunDirBusy, RunDirLock
 
-__all__ = ["TrainError", "Cleanup", "TaskStream", "init_distributed", "load_policy", "prepare_run_dir"]
+__all__ = ["TrainError", "Cleanup", "TaskStream", "init_distributed", "load_policy", "lock_run_dir",
+           "prepare_run_dir"]
 
 
 class TrainError(RuntimeError):
@@ -56,6 +60,10 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
     if resume:
         if not (run_dir / "config.yaml").is_file():
             raise TrainError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        try:
+            check_resume(run_dir, cfg)
+        except ConfigError as e:
+            raise TrainError(f"--resume {run_dir}: {e}") from None
         return run_dir
     if run_dir.exists() and any(run_dir.iterdir()):
         base, i = run_dir, 1
@@ -64,8 +72,19 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
             i += 1
         cfg.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    tmp = run_dir / "config.yaml.tmp"  # atomically: a run killed here is a fresh directory, not a torn one
+    tmp.write_text(dump_yaml(cfg))
+    os.replace(tmp, run_dir / "config.yaml")
     return run_dir
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Take the run directory's exclusive lock (one file per process of a distributed run)."""
+    name = ".lock" if jax.process_count() == 1 else f".lock.{jax.process_index()}"
+    try:
+        return RunDirLock(run_dir, name).acquire()
+    except RunDirBusy as e:
+        raise TrainError(str(e)) from None
 
 
 class TaskStream:

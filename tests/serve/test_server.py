@@ -175,6 +175,7 @@ def test_update_weights_in_process_and_from_disk(http, server, tiny, tmp_path):
     from flax import nnx
 
     from jaxprm.models import save_pretrained
+    from jaxprm.serve import ServerHandle
 
     model, tok = tiny
     req = dict(prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
@@ -185,14 +186,16 @@ def test_update_weights_in_process_and_from_disk(http, server, tiny, tmp_path):
     rng = np.random.default_rng(0)
     state = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), state)
     save_pretrained(nnx.merge(graphdef, state), tok, tmp_path / "ckpt")
-    r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "ckpt")})
-    assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == v0 + 1
+    # loading from disk needs a weights root (jaxprm.serve.weights): the same sampler, served with one
+    with ServerHandle.from_sampler(server.sampler, tok, model_name="tiny", weights_roots=(str(tmp_path),)) as h:
+        r = httpx.post(h.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "ckpt")}, timeout=120)
+        assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == v0 + 1
+        # a bad path keeps the weights and the version
+        r = httpx.post(h.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")}, timeout=60)
+        assert r.status_code == 400 and r.json()["success"] is False
     after = http.post("/v1/completions", json=req).json()
     assert after["weight_version"] == v0 + 1
     assert after["choices"][0]["logprobs"]["token_logprobs"] != before["choices"][0]["logprobs"]["token_logprobs"]
-    # a bad path keeps the weights and the version
-    r = http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
-    assert r.status_code == 400 and r.json()["success"] is False
     assert http.get("/get_weight_version").json()["weight_version"] == v0 + 1
     # in-process swap back to the original
     assert server.update_weights(model) == v0 + 2

@@ -145,7 +145,8 @@ def test_external_server_gets_weights_from_disk(tmp_path):
     from jaxprm.serve import ServerHandle
 
     model, tok = load_model("tiny")
-    server = ServerHandle.start(model, tok, host="127.0.0.1", port=0)
+    (tmp_path / "w").mkdir()
+    server = ServerHandle.start(model, tok, host="127.0.0.1", port=0, weights_roots=(str(tmp_path / "w"),))
     try:
         v0 = server.weight_version
         cfg = load_config(None, [*TINY, "server.kind=external", f"server.urls=[{server.url}]",
