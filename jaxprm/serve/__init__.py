@@ -7,7 +7,7 @@ Run it as ``python -m jaxprm.serve --model tiny --host 127.0.0.1 --port 8000`` o
 from jaxprm.serve.app import create_app
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.serving import ServeConfig
-from jaxprm.serve.engine import BatchingEngine, EngineStats
+from jaxprm.serve.engine import BatchingEngine, Engine, EngineStats
 from jaxprm.serve.handle import ServerHandle
 
-__all__ = ["APIError", "BatchingEngine", "EngineStats", "ServeConfig", "ServerHandle", "create_app"]
+__all__ = ["APIError", "BatchingEngine", "Engine", "EngineStats", "ServeConfig", "ServerHandle", "create_app"]

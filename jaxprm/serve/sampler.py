@@ -150,9 +150,13 @@ class Completion:
       sampling_logprobs: log-prob under the distribution actually sampled from.
       top_logprobs: per position, a list of ``(token_id, raw_logprob, sampling_logprob)`` for the top
         ``top_logprobs`` tokens by raw probability; ``None`` when not requested.
-      finish_reason: ``"stop"`` (a stop/EOS token was generated) or ``"length"`` (max tokens).
+      finish_reason: ``"stop"`` (a stop/EOS token was generated), ``"length"`` (max tokens) or
+        ``"abort"`` (cancelled or aborted by the engine; the tokens generated until then).
       stop_token_id: the token that stopped the row, or ``None``.
-      weight_version: the sampler's weight version that produced this completion.
+      weight_version: the weight version of the oldest output token (the current one if none).
+      output_token_versions: per output token, the weight version that produced it (a serving
+        engine may swap weights between steps of a running request).
+      cached_tokens: prompt tokens whose KV came from a prefix cache (0 for the static sampler).
     """
 
     prompt_ids: list[int]
@@ -160,9 +164,11 @@ class Completion:
     logprobs: list[float]
     sampling_logprobs: list[float]
     top_logprobs: list[list[tuple[int, float, float]]] | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     stop_token_id: int | None
     weight_version: int
+    output_token_versions: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
 
 
 def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
@@ -605,6 +611,7 @@ class Sampler:
                     finish_reason="stop" if stopped else "length",
                     stop_token_id=toks[-1] if stopped else None,
                     weight_version=version,
+                    output_token_versions=[version] * n,
                 )
             )
         return out
