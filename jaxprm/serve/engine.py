@@ -25,9 +25,7 @@ responsive.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import queue
@@ -35,15 +33,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
-
 import numpy as np
 
 from jaxprm.models.paged import kv_bytes_per_token
 from jaxprm.serve.kv_pool import BlockPool
 from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.prefix_cache import PrefixCache
-from jaxprm.serve.programs import ModelRunner
+from jaxprm.serve.requests import EngineFuture, EngineStats, Request, RowDelta, completion
+from jaxprm.serve.programs import ModelRunner, decode_arrays, prefill_arrays
 from jaxprm.serve.sampler import (MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, Sampler, SamplingParams,
                                   bucket_for, row_key_data)
 from jaxprm.serve.scheduler import Scheduler, Sequence as Seq, Status
@@ -54,70 +51,6 @@ log = logging.getLogger(__name__)
 
 #: Default KV memory budget (the pool is also capped at ``max_batch`` full-length sequences).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since start.
-
-    ``batches`` decode calls, ``rows`` their rows summed, ``tokens`` generated, ``max_rows_in_batch``
-    the largest decode batch, ``recent_batch_rows`` the rows of recent decode calls; prefill:
-    ``prefill_calls``, ``prefill_tokens`` (computed), ``prompt_tokens`` and ``cached_tokens`` (of
-    admitted prompts, from the prefix cache); ``preemptions``; ``busy_s`` time in programs.
-    """
-
-    batches: int = 0
-    rows: int = 0
-    tokens: int = 0
-    max_rows_in_batch: int = 0
-    busy_s: float = 0.0
-    prefill_calls: int = 0
-    prefill_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    iterations: int = 0
-    recent_batch_rows: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
-
-
-@dataclasses.dataclass
-class RowDelta:
-    """New output of one row (streaming): tokens since the last delta and, when the row ended,
-    its full ``completion``."""
-
-    row: int
-    token_ids: list[int]
-    logprobs: list[float]
-    sampling_logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float, float]]] | None
-    versions: list[int]
-    completion: Completion | None = None
-    cached_tokens: int = 0
-
-
-class EngineFuture(concurrent.futures.Future):
-    """Resolves to ``list[Completion]`` (row order). ``cancel()`` also stops the rows in the engine
-    (their blocks are freed at the next iteration boundary)."""
-
-    def __init__(self, engine: Engine, request_id: str):
-        super().__init__()
-        self.request_id = request_id
-        self._engine = engine
-
-    def cancel(self) -> bool:
-        cancelled = super().cancel()
-        if cancelled:
-            self._engine._post(("cancel", self))
-        return cancelled
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    future: EngineFuture
-    seqs: list[Seq]
-    on_delta: Callable[[RowDelta], None] | None
-    arrival: float
-    sent: list[int] = dataclasses.field(default_factory=list)  # tokens delivered per row (streaming)
 
 
 def _window_buckets(max_len: int, block_size: int) -> tuple[int, ...]:
@@ -193,7 +126,7 @@ class Engine:
         self.stats = EngineStats()
         self.kv_cache_tokens = (num_blocks - 1) * self.block_size
         self._inbox: queue.Queue = queue.Queue()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._paused = False
         self._ids = itertools.count()
@@ -269,7 +202,7 @@ class Engine:
             stop_array[: len(stops)] = sorted(stops)
             seqs.append(Seq(seq_id=next(self._ids), prompt=p, params=sp, key_data=row_key_data(seed, ch),
                             stop_ids=stops, row=row, arrival=now, stop_array=stop_array))
-        req = _Request(fut, seqs, on_delta, now, [0] * len(seqs))
+        req = Request(fut, seqs, on_delta, now, [0] * len(seqs))
         for seq in seqs:
             seq.owner = req
         self._post(("submit", req))
@@ -311,6 +244,10 @@ class Engine:
         """Drop the prefix cache (blocks in use stay with their sequences); resolves to the number
         of cached blocks dropped."""
         return self._control("flush")
+
+    def set_prefix_caching(self, enabled: bool) -> concurrent.futures.Future:
+        """Turn the prefix cache on or off from the next step (either way it starts empty)."""
+        return self._control("prefix_cache", bool(enabled))
 
     # worker ------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -363,10 +300,14 @@ class Engine:
                 msg[1].set_result(True)
             elif kind == "flush":
                 msg[1].set_result(self.cache.flush())
+            elif kind == "prefix_cache":
+                self.cache.flush()
+                self.cache.enabled = msg[1]
+                msg[2].set_result(True)
             block = (self._paused or self.scheduler.idle) and first_at is None
             self._update_gauges()
 
-    def _add(self, req: _Request) -> None:
+    def _add(self, req: Request) -> None:
         if req.future.cancelled():
             return
         self._requests[req.future.request_id] = req
@@ -421,17 +362,8 @@ class Engine:
 
     def _prefill(self, params, version: int, plan) -> int:
         R = bucket_for(len(plan.rows), self.prefill_row_buckets, "prefill rows")
-        C = plan.chunk
         W = bucket_for(max(start + n for _, start, n in plan.rows), self.window_buckets, "window")
-        nb = W // self.block_size
-        tokens = np.zeros((R, C), np.int32)
-        positions = np.full((R, C), -1, np.int32)
-        tables = np.zeros((R, nb), np.int32)
-        for i, (seq, start, n) in enumerate(plan.rows):
-            tokens[i, :n] = seq.tokens(start + n)[start:]
-            positions[i, :n] = np.arange(start, start + n)
-            blocks = seq.blocks[:nb]
-            tables[i, : len(blocks)] = blocks
+        tokens, positions, tables = prefill_arrays(plan.rows, R, plan.chunk, W // self.block_size)
         self.runner.prefill(params, tokens, positions, tables)
         total = 0
         for seq, _, n in plan.rows:
@@ -446,30 +378,7 @@ class Engine:
         k = self.decode_steps
         B = bucket_for(len(rows), self.batch_buckets, "decode batch")
         W = bucket_for(max(s.num_computed + min(k, s.remaining) for s in rows), self.window_buckets, "window")
-        nb = W // self.block_size
-        inp = dict(
-            token=np.zeros((B,), np.int32), position=np.full((B,), -1, np.int32), active=np.zeros((B,), bool),
-            num_generated=np.zeros((B,), np.int32), remaining=np.zeros((B,), np.int32),
-            temperature=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32), top_p=np.ones((B,), np.float32),
-            key_data=np.zeros((B, 2), np.uint32), stop_ids=np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32),
-            tables=np.zeros((B, nb), np.int32))
-        top_n, filtering = 0, False
-        for i, s in enumerate(rows):
-            sp = s.params
-            inp["token"][i] = s.output[-1] if s.output else s.prompt[-1]
-            inp["position"][i] = s.num_computed
-            inp["active"][i] = True
-            inp["num_generated"][i] = len(s.output)
-            inp["remaining"][i] = s.remaining
-            inp["temperature"][i] = sp.temperature
-            inp["top_k"][i] = max(sp.top_k, 0)
-            inp["top_p"][i] = sp.top_p
-            inp["key_data"][i] = s.key_data
-            inp["stop_ids"][i] = s.stop_array
-            blocks = s.blocks[:nb]
-            inp["tables"][i, : len(blocks)] = blocks
-            top_n = MAX_TOP_LOGPROBS if sp.top_logprobs > 0 else top_n
-            filtering = filtering or (sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0))
+        inp, top_n, filtering = decode_arrays(rows, B, W // self.block_size)
         out = self.runner.decode(params, inp, steps=k, top_n=top_n, filtering=filtering)
         now = time.perf_counter()
         generated = 0
@@ -502,52 +411,29 @@ class Engine:
         for i, start in fresh.items():
             s = rows[i]
             if not s.finished:
-                self._send_delta(s.owner, s)
+                s.owner.send_delta(s)
         return generated
 
     # results ------------------------------------------------------------------------------------------
-    def _completion(self, s: Seq) -> Completion:
-        return Completion(
-            prompt_ids=list(s.prompt), token_ids=list(s.output), logprobs=list(s.logprobs),
-            sampling_logprobs=list(s.sampling_logprobs),
-            top_logprobs=(s.top or []) if s.params.top_logprobs > 0 else None,
-            finish_reason=s.finish_reason or "length", stop_token_id=s.stop_token_id,
-            weight_version=min(s.versions) if s.versions else self._version,
-            output_token_versions=list(s.versions), cached_tokens=s.cached_tokens or 0)
-
-    def _send_delta(self, req: _Request, s: Seq, completion: Completion | None = None) -> None:
-        if req.on_delta is None:
-            return
-        a = req.sent[s.row]
-        req.sent[s.row] = len(s.output)
-        delta = RowDelta(row=s.row, token_ids=s.output[a:], logprobs=s.logprobs[a:],
-                         sampling_logprobs=s.sampling_logprobs[a:],
-                         top_logprobs=s.top[a:] if (s.top is not None and s.params.top_logprobs > 0) else None,
-                         versions=s.versions[a:], completion=completion, cached_tokens=s.cached_tokens or 0)
-        try:
-            req.on_delta(delta)
-        except Exception:  # a consumer's failure must not stop the engine
-            log.exception("streaming callback failed")
-
     def _finished(self, s: Seq) -> None:
-        req: _Request = s.owner
+        req: Request = s.owner
         self.metrics.finish(s.finish_reason or "length")
         self.metrics.e2e.observe(time.perf_counter() - s.arrival)
-        self._send_delta(req, s, self._completion(s))
+        req.send_delta(s, completion(s, self._version))
         self._maybe_resolve(req)
 
-    def _maybe_resolve(self, req: _Request) -> None:
+    def _maybe_resolve(self, req: Request) -> None:
         if not all(s.finished for s in req.seqs):
             return
         self._requests.pop(req.future.request_id, None)
         if req.future.done():
             return
         try:
-            req.future.set_result([self._completion(s) for s in req.seqs])
+            req.future.set_result([completion(s, self._version) for s in req.seqs])
         except concurrent.futures.InvalidStateError:  # cancelled meanwhile
             pass
 
-    def _abort_request(self, req: _Request) -> None:
+    def _abort_request(self, req: Request) -> None:
         """The request was cancelled: end its rows now and free their blocks."""
         for s in req.seqs:
             if not s.finished:
@@ -565,7 +451,7 @@ class Engine:
                     self._finished(s)
         return n
 
-    def _fail_request(self, req: _Request, exc: BaseException) -> None:
+    def _fail_request(self, req: Request, exc: BaseException) -> None:
         for s in req.seqs:
             if not s.finished:
                 self.scheduler.finish(s, "abort")
@@ -588,7 +474,7 @@ class Engine:
                 break
             if msg[0] == "submit" and not msg[1].future.done():
                 msg[1].future.set_exception(RuntimeError("generation engine stopped"))
-            elif msg[0] in ("pause", "resume", "flush") and not msg[-1].done():
+            elif msg[0] in ("pause", "resume", "flush", "prefix_cache") and not msg[-1].done():
                 msg[-1].set_exception(RuntimeError("generation engine stopped"))
 
     def _update_gauges(self) -> None:
