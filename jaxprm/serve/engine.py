@@ -108,15 +108,15 @@ class Engine:
         num_blocks = kv_cache_tokens // self.block_size + 1  # + the null block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} is less than one block of {self.block_size}")
-        chunk_buckets = tuple(c for c in (16, 32, 64, 128, 256, 512, 1024, 2048) if c < prefill_chunk) + (
-            int(prefill_chunk),)
+        # Coarse shape buckets (x4): every bucket is a program to compile.
+        chunk_buckets = tuple(c for c in (16, 64, 256, 1024, 4096) if c < prefill_chunk) + (int(prefill_chunk),)
         self.runner = ModelRunner(sampler.graphdef, sampler.rest, sampler.config, num_blocks=num_blocks,
                                   block_size=self.block_size, cache_dtype=sampler.cache_dtype)
         self.pool = BlockPool(num_blocks)
         self.cache = PrefixCache(self.pool, self.block_size, enabled=enable_prefix_cache,
                                  version=sampler.weight_version)
         max_rows = max(1, int(max_prefill_tokens) // chunk_buckets[0])
-        self.prefill_row_buckets = tuple(2 ** i for i in range(20) if 2 ** i <= max_rows)
+        self.prefill_row_buckets = tuple(4 ** i for i in range(10) if 4 ** i <= max_rows)
         self.scheduler = Scheduler(self.pool, self.cache, max_seqs=self.max_batch, decode_steps=self.decode_steps,
                                    prefill_chunk=int(prefill_chunk), max_prefill_tokens=int(max_prefill_tokens),
                                    chunk_buckets=chunk_buckets, row_buckets=self.prefill_row_buckets)

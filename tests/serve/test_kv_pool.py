@@ -115,7 +115,8 @@ def step(sched: Scheduler, token=7):
 
 def test_scheduler_waits_for_memory_preempts_and_rejects_what_never_fits():
     pool, cache = make(5)  # 4 blocks of 4 = 16 positions
-    sched = Scheduler(pool, cache, max_seqs=4, prefill_chunk=8, max_prefill_tokens=16, chunk_buckets=(4, 8))
+    sched = Scheduler(pool, cache, max_seqs=4, prefill_chunk=8, max_prefill_tokens=16, chunk_buckets=(4, 8),
+                      row_buckets=(1, 2))
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add(seq(0, range(10), 8))  # 17 positions > 16
     a, b, c = seq(1, range(6), 6), seq(2, range(20, 26), 6), seq(3, range(40, 46), 6)  # 11 positions each
