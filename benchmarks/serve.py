@@ -120,17 +120,18 @@ def _run_level_in_child(*args):
 
 
 def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, max_tokens: int, max_batch: int,
-                 decode_steps: int):
+                 decode_steps: int | None):
     t0 = time.perf_counter()
     model, tok = load_model(name)
     load_s = time.perf_counter() - t0
     prompt = _prompt_text(tok)
     result = dict(model=name, params=model.num_params(), prompt_tokens=len(tok.encode(prompt)),
-                  max_tokens=max_tokens, load_s=load_s, decode_steps=decode_steps, loadavg_start=_load())
+                  max_tokens=max_tokens, load_s=load_s, loadavg_start=_load())
     with ServerHandle.start(model, tok, model_name=name, sampler_kwargs={"max_batch": max_batch},
                             decode_steps=decode_steps) as server:
         engine = server.engine
         result["kv_cache_tokens"] = engine.kv_cache_tokens
+        result["decode_steps"] = engine.decode_steps
         levels = []
         plan = [(c, True) for c in concurrency] + [(c, False) for c in no_cache_levels]
         for c, cache in plan:
@@ -357,7 +358,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", default="tiny=64,smollm2-135m=32",
                    help="tokens per request: an int, or name=int pairs")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--decode-steps", type=int, default=1)
+    p.add_argument("--decode-steps", type=int, default=None, help="default: the engine's choice")
     p.add_argument("--hf-batches", default="1,32")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-patr", action="store_true")

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an idle engine starts at most this long after the first arrival")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool memory budget (GiB)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--decode-steps", type=int, default=1, help="decode steps per compiled decode call")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per compiled decode call (default: 8 for models under 20M parameters, else 1)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per sequence per prefill call")
     p.add_argument("--max-prefill-tokens", type=int, default=512, help="padded prompt tokens per prefill call")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")

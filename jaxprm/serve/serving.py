@@ -50,7 +50,7 @@ class ServeConfig:
       kv_cache_bytes / kv_cache_tokens: the KV pool's memory budget (``kv_cache_tokens`` wins if
         set); a request that can never fit gets 400, one that does not fit now waits.
       decode_steps: decode steps per compiled decode call (continuous batching admits and retires
-        sequences between calls).
+        sequences between calls); ``None``: chosen by model size (see ``Engine``).
       prefill_chunk / max_prefill_tokens: chunked prefill: prompt tokens per sequence / per call.
       enable_prefix_cache: reuse the KV of cached prompt prefixes (radix tree over blocks).
     """
@@ -70,7 +70,7 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_cache_tokens: int | None = None
-    decode_steps: int = 1
+    decode_steps: int | None = None
     prefill_chunk: int = 256
     max_prefill_tokens: int = 512
     enable_prefix_cache: bool = True
@@ -79,7 +79,7 @@ class ServeConfig:
         if self.logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes"):
-            if int(getattr(self, key)) < 1:
+            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.kv_cache_tokens is not None and int(self.kv_cache_tokens) < self.block_size:
             raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
