@@ -1,4 +1,9 @@
-"""Embedded OpenAI / vLLM / SGLang compatible generation server over ``jaxprm.serve.sampler``.
+"""Embedded OpenAI / vLLM / SGLang compatible generation server.
+
+Layers, bottom up: ``sampler`` (weights, versions, the sampling function; a static batched
+generator), ``programs`` (compiled prefill / decode over the paged KV pool), ``kv_pool`` and
+``prefix_cache`` (block bookkeeping, the radix tree), ``scheduler`` (continuous batching), ``engine``
+(the worker thread), ``serving`` + the dialect routers + ``app`` (HTTP), ``handle`` (in-process).
 
 Run it as ``python -m jaxprm.serve --model tiny --host 127.0.0.1 --port 8000`` or in-process with
 ``ServerHandle.start(model, tokenizer)``. See ``jaxprm.serve.app`` for the endpoints.
