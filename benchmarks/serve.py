@@ -256,6 +256,10 @@ def bench_patr(rounds: int, workdir: Path):
                             sampler_kwargs={"max_batch": s.max_batch, "max_context": ctx},
                             collect_window_s=s.batch_window_ms / 1000.0) as server:
         engine = server.engine
+        windows = [w for w in engine.window_buckets if w <= 1024]
+        # every batch and prefill shape, in the decode variant the rollout client asks for
+        out["precompile_s"] = engine.precompile(windows=windows, top_logprobs=s.dialect == "vllm",
+                                                filtering=r.temperature > 0 and r.top_p < 1.0)
 
         async def one_round(i: int, cache: bool):
             engine.set_prefix_caching(cache).result(60)
@@ -372,7 +376,7 @@ def main(argv=None) -> None:
     p.add_argument("--hf-batches", default="1,32")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-patr", action="store_true")
-    p.add_argument("--patr-rounds", type=int, default=2)
+    p.add_argument("--patr-rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,

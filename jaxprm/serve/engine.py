@@ -349,6 +349,10 @@ class Engine:
         t0 = time.perf_counter()
         if plan is not None:
             tokens += self._prefill(params, version, plan)
+            more = self.scheduler.admit_more()  # those that waited for the blocks just computed
+            self._note_admissions()
+            if more is not None:
+                tokens += self._prefill(params, version, more)
         rows = self.scheduler.decode_rows()
         if rows:
             tokens += self._decode(params, version, rows)

@@ -15,6 +15,8 @@ Every engine iteration asks the ``Scheduler`` for a plan, runs it, and reports b
    blocks enter the cache as "not ready" until computed.
 3. **Chunked prefill:** up to ``prefill_chunk`` prompt tokens per sequence, ``max_prefill_tokens``
    in all (rows x padded chunk), oldest first.
+   After that prefill, a second admission pass lets in the sequences that were waiting for the
+   blocks it computed, with a prefill of their uncached tails.
 4. **Decode:** every sequence whose prompt is in the pool takes ``k`` steps in one batch.
 
 A sequence of ``L`` prompt tokens needs the KV of positions ``0..L-2`` before its first decode step,
@@ -191,7 +193,15 @@ class Scheduler:
         preempted = self._reserve_decode_memory()
         if not preempted:
             self._admit()
-        return self._plan_prefill()
+        return self._plan_prefill(self.running)
+
+    def admit_more(self) -> PrefillPlan | None:
+        """A second admission pass after this iteration's prefill: sequences that waited for
+        blocks another sequence was computing can start now; returns the prefill of the newly
+        admitted ones (their uncached tails), so they decode in this iteration too."""
+        if not self.waiting:
+            return None
+        return self._plan_prefill(self._admit())
 
     def decode_rows(self) -> list[Sequence]:
         """Sequences ready to decode (their prompt KV is complete), oldest first."""
@@ -219,8 +229,8 @@ class Scheduler:
                     break
         return preempted
 
-    def _admit(self) -> None:
-        deferred = []
+    def _admit(self) -> list[Sequence]:
+        deferred, admitted = [], []
         while self.waiting and len(self.running) < self.max_seqs:
             seq = self.waiting.popleft()
             target = seq.target
@@ -248,14 +258,16 @@ class Scheduler:
             self._admissions += 1
             seq.status = Status.PREFILL if seq.num_computed < target else Status.DECODE
             self.running.append(seq)
+            admitted.append(seq)
             self.cache.insert(seq.tokens(target), seq.blocks, ready=False)
         for seq in reversed(deferred):
             self.waiting.appendleft(seq)
+        return admitted
 
-    def _plan_prefill(self) -> PrefillPlan | None:
+    def _plan_prefill(self, candidates: list[Sequence]) -> PrefillPlan | None:
         rows: list[tuple[Sequence, int, int]] = []
         chunk = 0
-        for seq in self.running:
+        for seq in candidates:
             if seq.status is not Status.PREFILL:
                 continue
             n = min(seq.target - seq.num_computed, self.prefill_chunk)
