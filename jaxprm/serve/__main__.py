@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per compiled decode call (default: 8 for models under 20M parameters, else 1)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per sequence per prefill call")
-    p.add_argument("--max-prefill-tokens", type=int, default=512, help="padded prompt tokens per prefill call")
+    p.add_argument("--max-prefill-tokens", type=int, default=1024, help="padded prompt tokens per prefill call")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="serve the weights in this dtype (logits and log-probs stay float32)")

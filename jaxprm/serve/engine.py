@@ -92,7 +92,7 @@ class Engine:
 
     def __init__(self, sampler: Sampler, *, max_batch: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, kv_cache_tokens: int | None = None,
-                 decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 512,
+                 decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
                  metrics: EngineMetrics | None = None):
         if decode_steps is None:

@@ -138,7 +138,7 @@ class Scheduler:
     """
 
     def __init__(self, pool: BlockPool, cache: PrefixCache, *, max_seqs: int, decode_steps: int = 1,
-                 prefill_chunk: int = 256, max_prefill_tokens: int = 512, chunk_buckets=(16, 64, 256),
+                 prefill_chunk: int = 256, max_prefill_tokens: int = 1024, chunk_buckets=(16, 64, 256),
                  row_buckets=(1, 4, 16, 64)):
         self.pool = pool
         self.cache = cache

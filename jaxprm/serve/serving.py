@@ -72,7 +72,7 @@ class ServeConfig:
     kv_cache_tokens: int | None = None
     decode_steps: int | None = None
     prefill_chunk: int = 256
-    max_prefill_tokens: int = 512
+    max_prefill_tokens: int = 1024
     enable_prefix_cache: bool = True
 
     def __post_init__(self):
