@@ -1,25 +1,31 @@
-"""Generation-server benchmark: tokens/s vs concurrency, compile time, time to first token.
+"""Generation-server benchmark: our engine vs Hugging Face ``generate``, and PaTR rollouts with the
+prefix cache on vs off.
 
     python -m benchmarks.serve [--json PATH] [--models tiny,smollm2-135m] [--concurrency 1,8,32,64]
+                               [--hf-batches 1,32] [--skip-hf] [--skip-patr]
 
-For each model an in-process server (``ServerHandle``, dynamic batching) is started on 127.0.0.1.
-Then, per concurrency level ``c``, ``c`` asyncio clients (in a child process, so that the load
-generator does not compete with the server for the GIL) each send ``--requests-per-client``
-``/v1/completions`` requests back to back (the same chat-formatted prompt made distinct per request, ``max_tokens`` tokens with
-``ignore_eos`` so every request generates exactly that many, temperature 1, distinct seeds).
+1. **Server levels** (per model): an in-process server (``ServerHandle``, continuous batching, prefix
+   cache on) on 127.0.0.1; per concurrency ``c``, ``c`` asyncio clients in a child process (so the
+   load generator does not share the server's GIL) each send ``--requests-per-client``
+   ``/v1/completions`` back to back: the chat prompt of ``PROMPT_MESSAGES`` made distinct per request
+   by a suffix (every request shares the template's system and user text, as RL rollouts share
+   their system prompt), greedy, ``max_tokens`` with ``ignore_eos``. Each level first runs once
+   untimed, then timed, after every decode and prefill shape the levels can meet was compiled ahead
+   of time; ``recompiles`` counts programs compiled during the timed run (should be 0). Reported: generated tok/s, prompt + generated tok/s, latency p50 / p90,
+   mean time to first token (server metric), mean rows per decode call, prompt tokens served from
+   the prefix cache. The concurrencies in ``--no-cache-levels`` run again with the cache off (the
+   like-for-like comparison with transformers, which has none).
+2. **Hugging Face transformers** ``generate`` (PyTorch eager on CPU, float32, SDPA attention) on the
+   same GGUF with the same prompts, greedy, exactly ``max_tokens`` new tokens, batches of
+   ``--hf-batches`` (left padding), warm.
+3. **PaTR rollouts** (``--skip-patr`` to skip): ``python -m jaxprm.train steps=0`` warm-starts the
+   default tiny policy and exports it; then the default PaTR setting (``rollout.*`` of the default
+   config: 8 groups of budget 8, B0 = 4, K, M, top-k, the progress branch scorer) is rolled out
+   against the embedded server for ``--patr-rounds`` rounds with the prefix cache on and off
+   (alternating, same seeds): prefilled prompt tokens, cached tokens and wall time per round.
 
-Reported:
-
-* ``compile_s``: ahead-of-time compilation (``Sampler.precompile``) of each batch bucket the run can
-  hit (1 .. max batch), per bucket and in total, done before timing so the throughput numbers are
-  steady state (``recompiled_during_levels`` checks it);
-* ``ttft_s``: time to first token on an idle server, measured as the median latency of a
-  ``max_tokens=1`` request (the server does not stream, so this is prefill + one decode step + HTTP);
-* per concurrency: generated tokens/s over the whole level ("gen tok/s"), prompt + generated tokens/s
-  ("all tok/s": every request also prefills its prompt, which dominates the work on a CPU), request
-  latency (median / p90), the mean rows per batch the engine ran;
-* ``direct``: the sampler without HTTP at batch 1 / 8 / 32 / 64 (``--compare-loops`` also times the
-  host-driven decode loop against the on-device ``while_loop``).
+Every section records ``os.getloadavg()`` (this machine is shared: compare numbers taken under
+similar load).
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -39,7 +49,6 @@ import httpx  # noqa: E402
 import jax  # noqa: E402
 
 from jaxprm.models import load_model  # noqa: E402
-from jaxprm.serve.sampler import Sampler, SamplingParams  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 
 PROMPT_MESSAGES = [
@@ -54,22 +63,32 @@ PROMPT_MESSAGES = [
 ]
 
 
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _percentile(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, per_client: int, max_tokens: int):
+def _prompt_text(tok) -> str:
+    return tok.apply_chat_template(PROMPT_MESSAGES, add_generation_prompt=True, tokenize=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. server levels
+
+async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, per_client: int, max_tokens: int,
+                     tag: str):
     latencies: list[float] = []
-    tokens = 0
-    prompt_tokens = 0
+    tokens = prompt_tokens = cached = 0
 
     async def worker(cid: int, client: httpx.AsyncClient):
-        nonlocal tokens, prompt_tokens
+        nonlocal tokens, prompt_tokens, cached
         for j in range(per_client):
-            # a distinct prompt per request (as in RL rollouts), so that no prefill is shared
-            body = dict(model=model_name, prompt=prompt + f"Episode {cid}-{j}.", max_tokens=max_tokens, temperature=1.0,
-                        seed=cid * 1000 + j, ignore_eos=True)
+            body = dict(model=model_name, prompt=prompt + f"Episode {tag}-{cid}-{j}.", max_tokens=max_tokens,
+                        temperature=0.0, ignore_eos=True)
             t0 = time.perf_counter()
             r = await client.post("/v1/completions", json=body)
             latencies.append(time.perf_counter() - t0)
@@ -77,6 +96,7 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
             usage = r.json()["usage"]
             tokens += usage["completion_tokens"]
             prompt_tokens += usage["prompt_tokens"]
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
@@ -84,8 +104,9 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
         await asyncio.gather(*(worker(i, client) for i in range(concurrency)))
         wall = time.perf_counter() - t0
     return dict(concurrency=concurrency, requests=len(latencies), tokens=tokens, wall_s=wall,
-                tokens_per_s=tokens / wall, prompt_plus_generated_tokens_per_s=(tokens + prompt_tokens) / wall, latency_median_s=statistics.median(latencies),
-                latency_p90_s=_percentile(latencies, 0.9))
+                tokens_per_s=tokens / wall, prompt_plus_generated_tokens_per_s=(tokens + prompt_tokens) / wall,
+                latency_median_s=statistics.median(latencies), latency_p90_s=_percentile(latencies, 0.9),
+                prompt_tokens=prompt_tokens, cached_prompt_tokens=cached)
 
 
 def _level_main(args):
@@ -94,86 +115,239 @@ def _level_main(args):
 
 def _run_level_in_child(*args):
     """Run the load generator in a separate process so that it does not share the server's GIL."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_level_main, (args,))
 
 
-def _direct(sampler: Sampler, prompt_ids, batch_sizes, max_tokens: int):
-    out = []
-    sampler.precompile(batch_sizes, len(prompt_ids), max_tokens)
-    for b in batch_sizes:
-        sp = [SamplingParams(max_new_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(b)]
-        prompts = [[i] + list(prompt_ids[1:]) for i in range(b)]  # distinct: no shared prefill
-        t0 = time.perf_counter()
-        res = sampler.generate(prompts, sp)
-        dt = time.perf_counter() - t0
-        out.append(dict(batch=b, tokens_per_s=sum(len(c.token_ids) for c in res) / dt, wall_s=dt))
-    return out
-
-
-def bench_model(name: str, *, concurrency, per_client: int, max_tokens: int, max_batch: int, compare_loops: bool):
+def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, max_tokens: int, max_batch: int,
+                 decode_steps: int | None):
     t0 = time.perf_counter()
     model, tok = load_model(name)
     load_s = time.perf_counter() - t0
-    prompt = tok.apply_chat_template(PROMPT_MESSAGES, add_generation_prompt=True, tokenize=False)
-    prompt_ids = tok.encode(prompt, add_special_tokens=True)
-    eos = tuple(tok.eos_token_ids)
-    sampler = Sampler(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id or 0, max_batch=max_batch)
-
-    # compile (ahead of time, without running) every batch bucket the engine can hit for this prompt
-    # and output length, plus batch 1 for the max_tokens=1 requests of the TTFT measurement
-    compile_s = sampler.precompile(sampler.batch_buckets, len(prompt_ids), max_tokens)
-    sampler.precompile([1], len(prompt_ids), 1)
-    n_params = sum(int(x.size) for x in jax.tree.leaves(sampler.params))
-
-    result = dict(model=name, params=n_params, prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
-                  load_s=load_s, compile_s=compile_s, compile_total_s=sum(compile_s.values()),
-                  compilations=sampler.num_compilations)
-    with ServerHandle.from_sampler(sampler, tok, model_name=name, max_batch=max_batch) as server:
-        with httpx.Client(base_url=server.url, timeout=3600) as h:
-            ttft = []
-            for i in range(5):
-                t = time.perf_counter()
-                h.post("/v1/completions", json=dict(model=name, prompt=prompt, max_tokens=1, seed=i)).raise_for_status()
-                ttft.append(time.perf_counter() - t)
-        result["ttft_s"] = statistics.median(ttft)
+    prompt = _prompt_text(tok)
+    result = dict(model=name, params=model.num_params(), prompt_tokens=len(tok.encode(prompt)),
+                  max_tokens=max_tokens, load_s=load_s, loadavg_start=_load())
+    with ServerHandle.start(model, tok, model_name=name, sampler_kwargs={"max_batch": max_batch},
+                            decode_steps=decode_steps) as server:
+        engine = server.engine
+        result["kv_cache_tokens"] = engine.kv_cache_tokens
+        result["decode_steps"] = engine.decode_steps
+        # Compile every decode batch bucket and prefill shape the levels can meet (packing depends on
+        # timing), so that the timed runs measure the steady state.
+        longest = result["prompt_tokens"] + 16 + max_tokens + engine.decode_steps
+        windows = [w for w in engine.window_buckets if w < longest] + [
+            next(w for w in engine.window_buckets if w >= longest)]
+        sizes = [b for b in engine.batch_buckets if b <= max([*concurrency, *no_cache_levels])]
+        result["precompile_s"] = engine.precompile(batch_sizes=sizes, windows=windows)
+        result["precompiled_programs"] = engine.num_compilations
+        print(f"  {name}: precompiled {engine.num_compilations} programs in {result['precompile_s']:.0f} s",
+              flush=True)
         levels = []
-        stats = server.app.state.server.engine.stats
-        for c in concurrency:
-            b0, r0 = stats.batches, stats.rows
-            level = _run_level_in_child(server.url, name, prompt, c, per_client, max_tokens)
-            level["mean_rows_per_batch"] = (stats.rows - r0) / max(1, stats.batches - b0)
+        plan = [(c, True) for c in concurrency] + [(c, False) for c in no_cache_levels]
+        for c, cache in plan:
+            engine.set_prefix_caching(cache).result(60)
+            t0 = time.perf_counter()
+            for i in range(3):  # until a round compiles nothing new (the cache state settles too)
+                n0 = engine.num_compilations
+                _run_level_in_child(server.url, name, prompt, c, per_client, max_tokens, f"warm{i}-{c}{cache}")
+                if engine.num_compilations == n0:
+                    break
+            warm_s = time.perf_counter() - t0
+            st = engine.stats
+            b0, r0, n0 = st.batches, st.rows, engine.num_compilations
+            ttft_sum0, ttft_n0 = _ttft(engine, name)
+            level = _run_level_in_child(server.url, name, prompt, c, per_client, max_tokens, f"run{c}{cache}")
+            ttft_sum, ttft_n = _ttft(engine, name)
+            level.update(prefix_cache=cache, warmup_s=warm_s, recompiles=engine.num_compilations - n0,
+                         mean_rows_per_batch=(st.rows - r0) / max(1, st.batches - b0),
+                         ttft_mean_s=(ttft_sum - ttft_sum0) / max(1, ttft_n - ttft_n0), loadavg=_load())
             levels.append(level)
-            print(f"  {name}: concurrency {c:3d}: {level['tokens_per_s']:9.1f} tok/s "
-                  f"(median latency {level['latency_median_s']:.2f} s, {level['mean_rows_per_batch']:.1f} rows/batch)",
-                  flush=True)
+            print(f"  {name}: concurrency {c:3d} (cache {'on' if cache else 'off'}): {level['tokens_per_s']:8.1f} "
+                  f"tok/s, p50 latency {level['latency_median_s']:.2f} s, TTFT {level['ttft_mean_s']:.2f} s, "
+                  f"{level['mean_rows_per_batch']:.1f} rows/step, recompiles {level['recompiles']}, "
+                  f"load {level['loadavg'][0]}", flush=True)
+        engine.set_prefix_caching(True).result(60)
         result["levels"] = levels
-        result["recompiled_during_levels"] = sampler.num_compilations - result["compilations"]
-    result["direct"] = {"device": _direct(sampler, prompt_ids, [1, 8, 32, 64], max_tokens)}
-    if compare_loops:
-        host = Sampler(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id or 0, max_batch=max_batch, loop="host")
-        result["direct"]["host"] = _direct(host, prompt_ids, [1, 8, 32, 64], max_tokens)
+        result["compilations"] = engine.num_compilations
     return result
 
 
+def _ttft(engine, name: str) -> tuple[float, float]:
+    """(sum, count) of the engine's time-to-first-token histogram."""
+    reg, labels = engine.metrics.registry, {"model_name": engine.metrics.model_name}
+    return (reg.get_sample_value("jaxprm:time_to_first_token_seconds_sum", labels) or 0.0,
+            reg.get_sample_value("jaxprm:time_to_first_token_seconds_count", labels) or 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Hugging Face transformers
+
+def bench_hf(name: str, batches, max_tokens: int):
+    import torch
+    import transformers
+
+    from jaxprm.models import smollm2_gguf_path
+
+    if name != "smollm2-135m":
+        raise ValueError("the transformers comparison runs on smollm2-135m (the GGUF both load)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    g = smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name,
+                                                              torch_dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    prompt = tok.apply_chat_template(PROMPT_MESSAGES, add_generation_prompt=True, tokenize=False)
+    out = dict(model=name, torch=torch.__version__, transformers=transformers.__version__,
+               torch_threads=torch.get_num_threads(), attn_implementation=model.config._attn_implementation,
+               batches=[])
+    for b in batches:
+        enc = tok([prompt + f"Episode hf-{b}-{i}." for i in range(b)], return_tensors="pt", padding=True,
+                  add_special_tokens=False)
+        kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        with torch.inference_mode():
+            model.generate(**enc, **kw)  # warm
+            t0 = time.perf_counter()
+            gen = model.generate(**enc, **kw)
+            wall = time.perf_counter() - t0
+        n = (gen.shape[1] - enc["input_ids"].shape[1]) * b
+        row = dict(batch=b, tokens=n, wall_s=wall, tokens_per_s=n / wall, loadavg=_load())
+        out["batches"].append(row)
+        print(f"  transformers generate: batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s ({wall:.2f} s), "
+              f"load {row['loadavg'][0]}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. PaTR rollouts, prefix cache on vs off
+
+def bench_patr(rounds: int, workdir: Path):
+    from rollout.chat import PromptBuilder
+    from rollout.client import ClientConfig, GenerationClient, SamplingParams
+    from rollout.envs.frozenlake import make_tasks
+    from rollout.tree import ScorerAdapter, TreeConfig, run_groups
+    from scorers.runner import resolve_scorer_class
+
+    from jaxprm.train.config import load_config
+    from jaxprm.train.loop import env_factory
+
+    run = workdir / "patr_policy"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "jaxprm.train", f"run_dir={run}", "steps=0", "eval.at_start=false",
+                    "plots=false", "progress=false"], check=True, capture_output=True, text=True)
+    warm_s = time.perf_counter() - t0
+    cfg = load_config(None, [])
+    r, e, s = cfg.rollout, cfg.env, cfg.server
+    model, tok = load_model(str(run / "policy"))
+    ctx = model.config.max_position_embeddings
+    tasks, _ = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,), p_frozen=e.p, max_turns=e.max_turns,
+                          random_start_goal=e.random_start_goal)
+    tree = TreeConfig(strategy="patr", group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k, alpha=r.alpha,
+                      theta=r.theta, max_turns=e.max_turns, max_branches=r.max_branches or r.group_size,
+                      refill=r.refill, group_mode=r.keep,
+                      sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
+                      max_context_tokens=ctx, seed=cfg.seed)
+    scorer = ScorerAdapter(resolve_scorer_class(r.branch_scorer, where="rollout.branch_scorer")())
+    out = dict(setting=dict(tasks_per_step=r.tasks_per_step, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m,
+                            top_k=r.top_k, max_new_tokens=r.max_new_tokens, max_turns=e.max_turns,
+                            branch_scorer=r.branch_scorer), warm_start_s=warm_s, rounds=[])
+    with ServerHandle.start(model, tok, host="127.0.0.1", port=0, model_name="jaxprm",
+                            sampler_kwargs={"max_batch": s.max_batch, "max_context": ctx},
+                            collect_window_s=s.batch_window_ms / 1000.0) as server:
+        engine = server.engine
+        windows = [w for w in engine.window_buckets if w <= 1024]
+        # every batch and prefill shape, in the decode variant the rollout client asks for
+        out["precompile_s"] = engine.precompile(windows=windows, top_logprobs=s.dialect == "vllm",
+                                                filtering=r.temperature > 0 and r.top_p < 1.0)
+
+        async def one_round(i: int, cache: bool):
+            engine.set_prefix_caching(cache).result(60)
+            st = engine.stats
+            p0, c0, q0, n0 = st.prefill_tokens, st.cached_tokens, st.prompt_tokens, engine.num_compilations
+            client_cfg = ClientConfig(endpoints=(server.url,), dialect=s.dialect, model="jaxprm",
+                                      timeout_s=s.timeout_s, max_retries=s.max_retries, max_concurrency=s.concurrency,
+                                      require_tokens=s.token_backed)
+            batch = [tasks[(i * r.tasks_per_step + j) % len(tasks)] for j in range(r.tasks_per_step)]
+            async with GenerationClient(client_cfg) as client:
+                t0 = time.perf_counter()
+                groups = await run_groups(batch, env_factory=env_factory(cfg), client=client,
+                                          prompts=PromptBuilder(tok), config=tree, scorer=scorer,
+                                          group_seed=1000 + i)
+                wall = time.perf_counter() - t0
+            leaves = [tuple(tuple(it.model_response.output_tokens.tolist()) for it in branch) for g in groups
+                      for branch in g.tree.branches()]
+            return dict(round=i, prefix_cache=cache, wall_s=wall, prompt_tokens=st.prompt_tokens - q0,
+                        prefilled_tokens=st.prefill_tokens - p0, cached_tokens=st.cached_tokens - c0,
+                        expanded=sum(g.stats.expanded for g in groups), pruned=sum(g.stats.pruned for g in groups),
+                        sampled_actions=sum(g.stats.sampled_actions for g in groups), loadavg=_load(),
+                        recompiles=engine.num_compilations - n0, branches=leaves)
+
+        for i in range(3):  # warm-up until a round compiles nothing new
+            n0 = engine.num_compilations
+            asyncio.run(one_round(-1 - i, True))
+            asyncio.run(one_round(-1 - i, False))
+            if engine.num_compilations == n0:
+                break
+        for i in range(rounds):
+            for cache in (True, False):
+                row = asyncio.run(one_round(i, cache))
+                out["rounds"].append(row)
+                print(f"  PaTR round {i} cache {'on ' if cache else 'off'}: {row['wall_s']:.2f} s, prefilled "
+                      f"{row['prefilled_tokens']} of {row['prompt_tokens']} prompt tokens "
+                      f"(cached {row['cached_tokens']}), load {row['loadavg'][0]}", flush=True)
+    for cache in (True, False):
+        rows = [x for x in out["rounds"] if x["prefix_cache"] == cache]
+        out["cache_on" if cache else "cache_off"] = dict(
+            wall_s=sum(x["wall_s"] for x in rows), prefilled_tokens=sum(x["prefilled_tokens"] for x in rows),
+            prompt_tokens=sum(x["prompt_tokens"] for x in rows))
+    on, off = out["cache_on"], out["cache_off"]
+    out["prefill_cut"] = off["prefilled_tokens"] / max(1, on["prefilled_tokens"])
+    out["wall_speedup"] = off["wall_s"] / max(1e-9, on["wall_s"])
+    # Same seeds on and off: branches differ only where float rounding flipped a sampled token.
+    same = total = 0
+    for a, b in zip(out["rounds"][0::2], out["rounds"][1::2]):
+        common = set(a["branches"]) & set(b["branches"])
+        same += len(common)
+        total += len(a["branches"])
+    for row in out["rounds"]:
+        row["branches"] = len(row.pop("branches"))
+    out["identical_branches_fraction"] = same / max(1, total)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
 def print_table(results) -> None:
     print()
-    print(f"{'model':14s} {'params':>10s} {'conc':>5s} {'gen tok/s':>10s} {'all tok/s':>10s} {'lat p50 s':>10s} "
-          f"{'lat p90 s':>10s} {'rows/batch':>10s}")
-    for r in results:
+    print(f"{'model':14s} {'conc':>5s} {'cache':>5s} {'gen tok/s':>10s} {'all tok/s':>10s} {'p50 s':>8s} "
+          f"{'p90 s':>8s} {'TTFT s':>8s} {'rows/step':>9s} {'cached %':>8s} {'load':>6s}")
+    for r in results.get("server", []):
         for lv in r["levels"]:
-            print(f"{r['model']:14s} {r['params']:>10d} {lv['concurrency']:>5d} {lv['tokens_per_s']:>10.1f} "
-                  f"{lv['prompt_plus_generated_tokens_per_s']:>10.1f} "
-                  f"{lv['latency_median_s']:>10.3f} {lv['latency_p90_s']:>10.3f} {lv['mean_rows_per_batch']:>10.1f}")
-    print()
-    for r in results:
-        comp = ", ".join(f"B={b}: {s:.1f}s" for b, s in r["compile_s"].items())
-        print(f"{r['model']}: prompt {r['prompt_tokens']} tokens, {r['max_tokens']} new tokens; TTFT (idle, 1-token "
-              f"request) {r['ttft_s'] * 1000:.0f} ms; compile total {r['compile_total_s']:.1f} s ({comp}); "
-              f"recompiles during the timed levels: {r['recompiled_during_levels']}")
-        for loop, rows in r["direct"].items():
-            print(f"  direct sampler ({loop} loop): " + ", ".join(f"B={x['batch']}: {x['tokens_per_s']:.0f} tok/s" for x in rows))
+            cached = 100.0 * lv["cached_prompt_tokens"] / max(1, lv["prompt_tokens"])
+            print(f"{r['model']:14s} {lv['concurrency']:>5d} {'on' if lv['prefix_cache'] else 'off':>5s} "
+                  f"{lv['tokens_per_s']:>10.1f} {lv['prompt_plus_generated_tokens_per_s']:>10.1f} "
+                  f"{lv['latency_median_s']:>8.2f} {lv['latency_p90_s']:>8.2f} {lv['ttft_mean_s']:>8.2f} "
+                  f"{lv['mean_rows_per_batch']:>9.1f} {cached:>8.1f} {lv['loadavg'][0]:>6.2f}")
+    hf = results.get("transformers")
+    if hf:
+        print()
+        for b in hf["batches"]:
+            print(f"transformers generate ({hf['model']}, batch {b['batch']}): {b['tokens_per_s']:.1f} tok/s "
+                  f"(load {b['loadavg'][0]})")
+    cmp = results.get("comparison")
+    if cmp:
+        print()
+        for row in cmp:
+            print(f"ours / transformers at {row['batch']:>3d} (cache {row['prefix_cache']}): {row['ratio']:.2f}x")
+    patr = results.get("patr")
+    if patr:
+        print()
+        print(f"PaTR rollouts ({len(patr['rounds']) // 2} rounds): prefilled tokens {patr['cache_off']['prefilled_tokens']}"
+              f" -> {patr['cache_on']['prefilled_tokens']} ({patr['prefill_cut']:.2f}x less), wall "
+              f"{patr['cache_off']['wall_s']:.1f} s -> {patr['cache_on']['wall_s']:.1f} s "
+              f"({patr['wall_speedup']:.2f}x); identical branches on/off: "
+              f"{100 * patr['identical_branches_fraction']:.0f}%")
 
 
 def _per_model(spec: str, name: str, default: int) -> int:
@@ -184,32 +358,55 @@ def _per_model(spec: str, name: str, default: int) -> int:
     return table.get(name, default)
 
 
+def _ints(spec: str) -> list[int]:
+    return [int(x) for x in spec.split(",") if x]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="tiny,smollm2-135m")
     p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--no-cache-levels", default="1,32", help="concurrencies rerun with the prefix cache off")
     p.add_argument("--requests-per-client", default="tiny=4,smollm2-135m=1",
                    help="requests each client sends per level: an int, or name=int pairs")
     p.add_argument("--max-tokens", default="tiny=64,smollm2-135m=32",
                    help="tokens per request: an int, or name=int pairs")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--compare-loops", action="store_true", help="also time the host-driven decode loop")
+    p.add_argument("--decode-steps", type=int, default=None, help="default: the engine's choice")
+    p.add_argument("--hf-batches", default="1,32")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-patr", action="store_true")
+    p.add_argument("--patr-rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    results = []
-    for name in [m for m in args.models.split(",") if m]:
-        mt = _per_model(args.max_tokens, name, 32)
-        print(f"benchmarking {name} ...", flush=True)
-        results.append(bench_model(name, concurrency=[int(c) for c in args.concurrency.split(",")],
-                                   per_client=_per_model(args.requests_per_client, name, 2), max_tokens=mt,
-                                   max_batch=args.max_batch,
-                                   compare_loops=args.compare_loops))
+    env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
+               devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), loadavg_start=_load())
+    results: dict = dict(environment=env, server=[])
+    models = [m for m in args.models.split(",") if m]
+    for name in models:
+        print(f"benchmarking the server on {name} ...", flush=True)
+        results["server"].append(bench_server(
+            name, concurrency=_ints(args.concurrency), no_cache_levels=_ints(args.no_cache_levels),
+            per_client=_per_model(args.requests_per_client, name, 1),
+            max_tokens=_per_model(args.max_tokens, name, 32), max_batch=args.max_batch,
+            decode_steps=args.decode_steps))
+    if not args.skip_hf and "smollm2-135m" in models:
+        print("benchmarking transformers generate ...", flush=True)
+        hf = results["transformers"] = bench_hf("smollm2-135m", _ints(args.hf_batches),
+                                                 _per_model(args.max_tokens, "smollm2-135m", 32))
+        ours = next(r for r in results["server"] if r["model"] == "smollm2-135m")
+        results["comparison"] = [
+            dict(batch=b["batch"], prefix_cache=lv["prefix_cache"], ratio=lv["tokens_per_s"] / b["tokens_per_s"])
+            for b in hf["batches"] for lv in ours["levels"] if lv["concurrency"] == b["batch"]]
+    if not args.skip_patr:
+        print("benchmarking PaTR rollouts (prefix cache on / off) ...", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            results["patr"] = bench_patr(args.patr_rounds, Path(tmp))
+    env["loadavg_end"] = _load()
     print_table(results)
     if args.json:
-        env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
-                   devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count())
         with open(args.json, "w") as f:
-            json.dump(dict(environment=env, results=results), f, indent=2, default=str)
+            json.dump(results, f, indent=2, default=str)
         print(f"wrote {args.json}")
 
 

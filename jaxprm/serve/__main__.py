@@ -26,18 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-root", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk loads only from under DIR (repeatable; none: loading from "
                         "disk is refused)")
-    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch (rows)")
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences decoding at once")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
-                   help="dynamic batching: close a batch when no request arrived for this long")
+                   help="an idle engine waits for more arrivals until none came for this long")
     p.add_argument("--max-batch-wait-ms", type=float, default=50.0,
-                   help="dynamic batching: close a batch at most this long after its first request")
+                   help="an idle engine starts at most this long after the first arrival")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool memory budget (GiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per compiled decode call (default: 8 for models under 20M parameters, else 1)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per sequence per prefill call")
+    p.add_argument("--max-prefill-tokens", type=int, default=1024, help="padded prompt tokens per prefill call")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="serve the weights in this dtype (logits and log-probs stay float32)")
     p.add_argument("--max-context", type=int, default=None, help="cap on prompt + output tokens")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="output cap when a chat request gives none (default: rest of the context)")
     p.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed",
                    help="processed: under the sampling distribution; raw: the policy at temperature 1")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument("--decode-loop", choices=("device", "host"), default="device")
+    p.add_argument("--decode-loop", choices=("device", "host"), default="device",
+                   help="decode loop of the static sampler (Sampler.generate); the server uses the engine")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -56,12 +66,15 @@ def main(argv=None) -> None:
 
     model, tokenizer = load_model(args.model)
     sampler = Sampler(model, eos_token_ids=tuple(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id or 0,
-                      max_batch=args.max_batch, max_context=args.max_context, loop=args.decode_loop)
+                      max_batch=args.max_batch, max_context=args.max_context, loop=args.decode_loop, dtype=args.dtype)
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          logprobs_mode=args.logprobs_mode, collect_window_s=args.batch_window_ms / 1000.0,
-                         max_collect_s=args.max_batch_wait_ms / 1000.0,
-                         max_batch=args.max_batch, weights_roots=weights_roots)
+                         max_collect_s=args.max_batch_wait_ms / 1000.0, max_batch=args.max_batch,
+                         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), block_size=args.block_size,
+                         decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
+                         max_prefill_tokens=args.max_prefill_tokens, enable_prefix_cache=not args.no_prefix_cache,
+                         weights_roots=weights_roots)
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

@@ -1,7 +1,8 @@
-"""The FastAPI application: OpenAI / vLLM / SGLang compatible endpoints over a ``BatchingEngine``.
+"""The FastAPI application: OpenAI / vLLM / SGLang compatible endpoints over the generation ``Engine``.
 
-This module only wires the server together: the lifespan (the batching engine starts and stops
-with the app), the middleware (body-size limit, API key), the error handlers and ``/health``. The
+This module only wires the server together: the lifespan (the engine starts and stops with the
+app), the middleware (body-size limit, API key), the error handlers, ``/health`` and ``/metrics``
+(Prometheus text format, ``jaxprm.serve.metrics``). The
 routes live in one router per dialect (``jaxprm.serve.openai_routes``,
 ``jaxprm.serve.sglang_routes``) over the shared request handling of ``jaxprm.serve.serving``;
 request bodies are in ``jaxprm.serve.protocol`` and errors in ``jaxprm.serve.errors``.
@@ -14,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from jaxprm.serve.errors import APIError, LimitsMiddleware, install_error_handlers
+from jaxprm.serve.metrics import CONTENT_TYPE_LATEST
 from jaxprm.serve.openai_routes import openai_router
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.serving import ServeConfig, Serving
@@ -32,7 +34,7 @@ def create_app(
     *,
     load_fn: Callable[[str], tuple[Any, Any]] | None = None,
 ) -> FastAPI:
-    """Build the FastAPI app; the batching engine starts and stops with the app's lifespan.
+    """Build the FastAPI app; the generation engine starts and stops with the app's lifespan.
 
     Args:
       sampler: the ``jaxprm.serve.sampler.Sampler`` holding the weights.
@@ -56,6 +58,10 @@ def create_app(
     app.state.server = srv
     app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     install_error_handlers(app)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():

@@ -89,18 +89,25 @@ class ServerHandle:
         return self.url + "/v1"
 
     @property
+    def engine(self):
+        """The server's generation ``Engine`` (stats, pause / resume, prefix cache)."""
+        return self.app.state.server.engine
+
+    @property
     def weight_version(self) -> int:
         return self.sampler.weight_version
 
     def update_weights(self, params, *, version: int | None = None) -> int:
         """Swap the served weights in-process (model, ``nnx.State`` or pure dict); returns the version.
 
-        Requests already running finish with the old weights; later batches use the new ones.
+        The engine applies them at its next step boundary: running requests continue with the new
+        weights (each output token records its version in ``output_token_versions``), the prefix
+        cache is flushed. Pause the engine first (``/pause_generation``) to keep versions apart.
         """
         return self.sampler.update_params(params, version=version)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Shut the server down (idempotent); the batching engine stops with it."""
+        """Shut the server down (idempotent); the engine stops with it."""
         if self._thread.is_alive():
             self._server.should_exit = True
             self._thread.join(timeout)

@@ -5,7 +5,15 @@
 * ``/v1/chat/completions``: the model's chat template renders ``messages``; logprobs in the OpenAI
   chat shape; ``return_token_ids`` adds ``choices[i].token_ids`` and top-level ``prompt_token_ids``.
 
-Every answer reports the ``weight_version`` that produced it (the oldest among its choices).
+Every answer reports the ``weight_version`` that produced it (the oldest among its choices);
+with ``return_token_ids`` each choice also has ``output_token_versions`` (per output token).
+``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from the prefix cache
+(of each prompt's first choice).
+
+``stream=true`` answers with server-sent events in the OpenAI chunk format (``text_completion`` /
+``chat.completion.chunk`` objects, ``data: [DONE]`` at the end; ``stream_options.include_usage``
+adds a last chunk with ``usage``); stop strings are applied while streaming (see
+``jaxprm.serve.streaming``). A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
@@ -14,52 +22,133 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.protocol import ChatCompletionRequest, CompletionRequest
 from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
-from jaxprm.serve.serving import Choice, Serving, build_choices, sampling_params
+from jaxprm.serve.serving import Serving, build_choices, sampling_params
+from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
 
 __all__ = ["openai_router"]
 
 
-def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
-    completion_tokens = sum(len(ch.token_ids) for ch in choices)
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _completion_logprobs(srv: Serving, ch: Choice, top_n: int, tok_str) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, offsets)."""
-    toks = [tok_str(t) for t in ch.token_ids]
-    offsets, pos = [], 0
-    for t in ch.token_ids:
+def _completion_logprobs(srv: Serving, token_ids, logprobs, tops, top_n: int, tok_str, offset: int = 0
+                         ) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object (tokens, token_logprobs, top_logprobs, offsets);
+    ``offset`` is the text offset of the first token (streaming)."""
+    toks = [tok_str(t) for t in token_ids]
+    offsets, pos = [], offset
+    for t in token_ids:
         offsets.append(pos)
         pos += len(srv.token_text(t))
     top_dicts = []
-    for j in range(len(ch.token_ids)):
-        d = {toks[j]: ch.logprobs[j]}
-        if ch.top_logprobs is not None:
-            for tid, lp in ch.top_logprobs[j][:top_n]:
+    for j in range(len(token_ids)):
+        d = {toks[j]: logprobs[j]}
+        if tops is not None:
+            for tid, lp in tops[j][:top_n]:
                 d.setdefault(tok_str(tid), lp)
         top_dicts.append(d)
-    return {"text_offset": offsets, "token_logprobs": ch.logprobs, "tokens": toks, "top_logprobs": top_dicts}
+    return {"text_offset": offsets, "token_logprobs": list(logprobs), "tokens": toks, "top_logprobs": top_dicts}
 
 
-def _chat_logprobs(ch: Choice, top_n: int, tok_str) -> dict[str, Any]:
+def _chat_logprobs(token_ids, logprobs, tops, top_n: int, tok_str) -> dict[str, Any]:
     """The chat ``logprobs.content`` list (token, logprob, bytes, top_logprobs)."""
     content = []
-    for j, t in enumerate(ch.token_ids):
+    for j, t in enumerate(token_ids):
         tok = tok_str(t)
         alts = []
-        if ch.top_logprobs is not None:
-            for tid, lp in ch.top_logprobs[j][:top_n]:
+        if tops is not None:
+            for tid, lp in tops[j][:top_n]:
                 s = tok_str(tid)
                 alts.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))})
-        content.append({"token": tok, "logprob": ch.logprobs[j], "bytes": list(tok.encode("utf-8")),
+        content.append({"token": tok, "logprob": logprobs[j], "bytes": list(tok.encode("utf-8")),
                         "top_logprobs": alts})
     return {"content": content}
+
+
+def _include_usage(req) -> bool:
+    opts = req.stream_options or {}
+    return bool(opts.get("include_usage", False))
+
+
+async def _completion_events(srv: Serving, req: CompletionRequest, deltas, rows: list[list[int]], texts,
+                             stops: list[str], prompt_tokens: int):
+    """SSE chunks of a streamed ``/v1/completions`` (``text_completion`` objects, then usage)."""
+    rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), srv.config.model_name
+    tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
+    offsets = [0] * len(rows)
+    started = [False] * len(rows)
+    done: dict[int, Any] = {}
+    async for p in pieces(deltas, len(rows), srv.decode, stops, srv.logprobs_mode(req), srv.sampler.eos_token_ids):
+        text = p.text
+        if req.echo and not started[p.row]:
+            text = (texts[p.row // req.n] if texts is not None else srv.decode(rows[p.row])) + text
+        started[p.row] = True
+        choice: dict[str, Any] = {"index": p.row, "text": text, "logprobs": None, "finish_reason": p.finish_reason,
+                                  "stop_reason": p.stop_reason}
+        if req.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(srv, p.token_ids, p.logprobs, p.top_logprobs, req.logprobs,
+                                                      tok_str, offsets[p.row])
+            offsets[p.row] += sum(len(srv.token_text(t)) for t in p.token_ids)
+        if req.return_token_ids:
+            choice["token_ids"] = p.token_ids
+            choice["output_token_versions"] = p.versions
+            if p.finish_reason is not None:
+                choice["prompt_token_ids"] = rows[p.row]
+        if p.finish_reason is not None:
+            done[p.row] = p
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                   "choices": [choice], "usage": None})
+    if _include_usage(req):
+        completion_tokens = sum(len(p.tokens) for p in done.values())
+        cached = sum(p.cached_tokens for r, p in done.items() if r % req.n == 0)
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [],
+                   "usage": _usage(prompt_tokens, completion_tokens, cached)})
+    yield SSE_DONE
+
+
+async def _chat_events(srv: Serving, req: ChatCompletionRequest, deltas, n: int, prompt_ids: list[int],
+                       stops: list[str], top_n: int):
+    """SSE chunks of a streamed ``/v1/chat/completions`` (``chat.completion.chunk`` objects)."""
+    rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), srv.config.model_name
+    tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
+
+    def chunk(choices, usage=None):
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": choices, "usage": usage})
+
+    for i in range(n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    done: dict[int, Any] = {}
+    async for p in pieces(deltas, n, srv.decode, stops, srv.logprobs_mode(req), srv.sampler.eos_token_ids):
+        choice: dict[str, Any] = {"index": p.row, "delta": {"content": p.text} if p.text else {}, "logprobs": None,
+                                  "finish_reason": p.finish_reason, "stop_reason": p.stop_reason}
+        if req.logprobs:
+            choice["logprobs"] = _chat_logprobs(p.token_ids, p.logprobs, p.top_logprobs, top_n, tok_str)
+        if req.return_token_ids:
+            choice["token_ids"] = p.token_ids
+            choice["output_token_versions"] = p.versions
+        if p.finish_reason is not None:
+            done[p.row] = p
+        yield chunk([choice])
+    if _include_usage(req):
+        completion_tokens = sum(len(p.tokens) for p in done.values())
+        cached = done[0].cached_tokens if 0 in done else 0
+        yield chunk([], _usage(len(prompt_ids), completion_tokens, cached))
+    yield SSE_DONE
+
+
+def _stream_response(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
@@ -108,7 +197,7 @@ def openai_router(srv: Serving) -> APIRouter:
         }]}
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, raw: Request):
         srv.check_model(req.model)
         srv.check_unsupported(req)
         if req.best_of is not None and req.best_of != req.n:
@@ -142,7 +231,11 @@ def openai_router(srv: Serving) -> APIRouter:
                              ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
         rows = [ids for ids in ids_list for _ in range(req.n)]
         choices_idx = [j for _ in ids_list for j in range(req.n)]
-        results = await srv.run(rows, [sp] * len(rows), choices_idx)
+        prompt_tokens = sum(len(x) for x in ids_list)
+        if req.stream:
+            deltas = srv.stream(rows, [sp] * len(rows), choices_idx)
+            return _stream_response(_completion_events(srv, req, deltas, rows, texts, stops, prompt_tokens))
+        results = await srv.run(rows, [sp] * len(rows), choices_idx, request=raw)
         built = build_choices(srv, results, stops, srv.logprobs_mode(req))
         tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
         choices = []
@@ -154,20 +247,24 @@ def openai_router(srv: Serving) -> APIRouter:
             choice: dict[str, Any] = {"index": ch.index, "text": text, "logprobs": None,
                                       "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
             if req.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(srv, ch, req.logprobs, tok_str)
+                choice["logprobs"] = _completion_logprobs(srv, ch.token_ids, ch.logprobs, ch.top_logprobs,
+                                                          req.logprobs, tok_str)
             if req.return_token_ids:
                 choice["token_ids"] = ch.token_ids
                 choice["prompt_token_ids"] = ch.completion.prompt_ids
+                choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
             choices.append(choice)
+        completion_tokens = sum(len(ch.token_ids) for ch in built)
+        cached = sum(c.cached_tokens for c in results[:: req.n])
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": config.model_name, "choices": choices,
-            "usage": _usage(sum(len(x) for x in ids_list), built),
+            "usage": _usage(prompt_tokens, completion_tokens, cached),
             "weight_version": min(c.weight_version for c in results),
         }
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
         srv.check_model(req.model)
         srv.check_unsupported(req)
         if not req.messages:
@@ -187,7 +284,10 @@ def openai_router(srv: Serving) -> APIRouter:
         sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                              seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
                              ignore_eos=req.ignore_eos, top_logprobs=top_n)
-        results = await srv.run([prompt_ids] * req.n, [sp] * req.n, list(range(req.n)))
+        if req.stream:
+            deltas = srv.stream([prompt_ids] * req.n, [sp] * req.n, list(range(req.n)))
+            return _stream_response(_chat_events(srv, req, deltas, req.n, prompt_ids, stops, top_n))
+        results = await srv.run([prompt_ids] * req.n, [sp] * req.n, list(range(req.n)), request=raw)
         built = build_choices(srv, results, stops, srv.logprobs_mode(req))
         tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
         choices = []
@@ -196,13 +296,15 @@ def openai_router(srv: Serving) -> APIRouter:
                                       "logprobs": None, "finish_reason": ch.finish_reason,
                                       "stop_reason": ch.stop_reason}
             if req.logprobs:
-                choice["logprobs"] = _chat_logprobs(ch, top_n, tok_str)
+                choice["logprobs"] = _chat_logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs, top_n, tok_str)
             if req.return_token_ids:
                 choice["token_ids"] = ch.token_ids
+                choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
             choices.append(choice)
+        usage = _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in built), results[0].cached_tokens)
         body: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": config.model_name, "choices": choices, "usage": _usage(len(prompt_ids), built),
+            "model": config.model_name, "choices": choices, "usage": usage,
             "weight_version": min(c.weight_version for c in results),
         }
         if req.return_token_ids:

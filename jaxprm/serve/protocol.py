@@ -1,8 +1,8 @@
 """Request bodies of the generation server (pydantic), in the vLLM / SGLang field conventions.
 
 Unknown fields are ignored (as vLLM does), so clients written for vLLM or SGLang work unchanged;
-fields that change the output in ways this server does not implement (streaming, ``best_of``,
-penalties other than the neutral value, ``echo`` with logprobs) are rejected with a 400 by the app.
+fields that change the output in ways this server does not implement (``best_of``, penalties
+other than the neutral value, ``echo`` with logprobs) are rejected with a 400 by the app.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = [
     "GenerateRequest",
     "SGLangSamplingParams",
     "UpdateWeightsFromDiskRequest",
+    "PauseGenerationRequest",
     "LogprobsMode",
 ]
 
@@ -43,6 +44,7 @@ class _Sampling(_Base):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     frequency_penalty: float | None = None
@@ -126,3 +128,11 @@ class UpdateWeightsFromDiskRequest(_Base):
     model_path: str
     load_format: str | None = None
     weight_version: int | str | None = None
+
+
+class PauseGenerationRequest(_Base):
+    """SGLang-style ``POST /pause_generation``: ``abort`` ends every running and waiting request now
+    (finish reason ``abort``, the tokens so far); ``in_place`` keeps them, with their KV, until
+    ``/continue_generation``."""
+
+    mode: Literal["abort", "in_place"] = "abort"

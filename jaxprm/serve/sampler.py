@@ -89,6 +89,8 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "apply_top_k_top_p",
     "bucket_for",
+    "sample_next",
+    "row_key_data",
 ]
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -148,9 +150,13 @@ class Completion:
       sampling_logprobs: log-prob under the distribution actually sampled from.
       top_logprobs: per position, a list of ``(token_id, raw_logprob, sampling_logprob)`` for the top
         ``top_logprobs`` tokens by raw probability; ``None`` when not requested.
-      finish_reason: ``"stop"`` (a stop/EOS token was generated) or ``"length"`` (max tokens).
+      finish_reason: ``"stop"`` (a stop/EOS token was generated), ``"length"`` (max tokens) or
+        ``"abort"`` (cancelled or aborted by the engine; the tokens generated until then).
       stop_token_id: the token that stopped the row, or ``None``.
-      weight_version: the sampler's weight version that produced this completion.
+      weight_version: the weight version of the oldest output token (the current one if none).
+      output_token_versions: per output token, the weight version that produced it (a serving
+        engine may swap weights between steps of a running request).
+      cached_tokens: prompt tokens whose KV came from a prefix cache (0 for the static sampler).
     """
 
     prompt_ids: list[int]
@@ -158,9 +164,11 @@ class Completion:
     logprobs: list[float]
     sampling_logprobs: list[float]
     top_logprobs: list[list[tuple[int, float, float]]] | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     stop_token_id: int | None
     weight_version: int
+    output_token_versions: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
 
 
 def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
@@ -196,6 +204,50 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     n_keep = jnp.sum(keep, axis=-1)
     threshold = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_next(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                key_data: jax.Array, num_generated: jax.Array, *, top_n: int, filtering: bool) -> dict[str, jax.Array]:
+    """Draw each row's next token and its two log-probs (the definitions in the module docstring).
+
+    Args:
+      logits: ``[B, V]`` next-token logits (upcast to float32).
+      temperature / top_k / top_p: per-row ``[B]`` options (temperature 0 is greedy).
+      key_data: ``uint32 [B, 2]`` row keys (``_row_key_data``); token ``j`` of a row is drawn with
+        ``fold_in(row_key, j)``, ``j = num_generated [B]``, so a row's draws do not depend on the
+        rest of the batch.
+      top_n: static number of top alternatives (0: none); filtering: static, apply top-k / top-p.
+
+    Returns ``token int32 [B]``, ``logprob`` (raw, ``log_softmax(z)[token]``) and
+    ``sampling_logprob`` (under the distribution sampled from; the raw one for greedy rows), float32
+    ``[B]``; with ``top_n``: ``top_ids int32 [B, top_n]`` ranked by raw logit, ``top_raw`` and
+    ``top_proc`` float32 ``[B, top_n]``.
+    """
+    chex.assert_rank([logits, temperature, top_k, top_p, key_data, num_generated], [2, 1, 1, 1, 2, 1])
+    logits = logits.astype(jnp.float32)
+    raw_lp = jax.nn.log_softmax(logits, axis=-1)
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    if filtering:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    proc_lp = jax.nn.log_softmax(scaled, axis=-1)
+    keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    step_keys = jax.vmap(jax.random.fold_in)(keys, num_generated)
+    sampled = jax.vmap(lambda k, z: jax.random.categorical(k, z))(step_keys, scaled)
+    tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    lp_raw = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
+    lp_proc = jnp.where(greedy, lp_raw, jnp.take_along_axis(proc_lp, tok[:, None], axis=-1)[:, 0])
+    out = dict(token=tok, logprob=lp_raw, sampling_logprob=lp_proc)
+    if top_n:
+        top_raw, top_ids = jax.lax.top_k(raw_lp, top_n)
+        top_proc = jnp.take_along_axis(proc_lp, top_ids, axis=-1)
+        out.update(top_ids=top_ids, top_raw=top_raw, top_proc=jnp.where(greedy[:, None], top_raw, top_proc))
+    return out
+
+
+def row_key_data(seed: int, choice: int) -> np.ndarray:
+    """Key data ``uint32 [2]`` of a row with this seed and choice index (see "Randomness")."""
+    return _row_key_data(seed, choice)
 
 
 def _row_key_data(seed: int, choice: int) -> np.ndarray:
@@ -239,6 +291,9 @@ class Sampler:
         steps).
       dedupe_prompts: prefill identical prompts once (``n > 1``, GRPO groups) when that at least
         halves the prefill batch; the cache rows are then copied to their decode rows.
+      dtype: serve the weights in this dtype (e.g. ``"bfloat16"``; default: the model's). Logits,
+        sampling and log-probs stay float32; the KV cache defaults to this dtype; weight updates are
+        cast to it.
 
     Thread-safety: ``generate`` and ``update_params`` may be called from different threads; a call
     uses the weights current when it starts.
@@ -259,6 +314,7 @@ class Sampler:
         loop: Literal["device", "host"] = "device",
         host_sync_every: int = 8,
         dedupe_prompts: bool = True,
+        dtype: Any = None,
     ):
         self._kv_cls = KVCache
         self.config = model.config
@@ -277,9 +333,15 @@ class Sampler:
         self.max_context = int(max_context or self.config.max_position_embeddings)
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
         self.new_token_buckets = tuple(sorted(int(b) for b in new_token_buckets))
-        self.cache_dtype = cache_dtype
-
         self._graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if dtype is not None:
+            dtype = jnp.dtype(dtype)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+            params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+            cache_dtype = dtype if cache_dtype is None else cache_dtype
+        self.dtype = dtype
+        self.cache_dtype = cache_dtype
         self._params = params
         self._rest = rest
         self._version = 0
@@ -314,6 +376,21 @@ class Sampler:
     def params(self) -> nnx.State:
         """The current parameter state (``nnx.Param`` variables)."""
         return self._params
+
+    def snapshot(self) -> tuple[nnx.State, int]:
+        """The current ``(params, weight_version)``, read together (a consistent pair)."""
+        with self._lock:
+            return self._params, self._version
+
+    @property
+    def graphdef(self):
+        """The model's ``nnx.GraphDef`` (``nnx.merge(graphdef, params, rest)`` rebuilds it)."""
+        return self._graphdef
+
+    @property
+    def rest(self) -> nnx.State:
+        """The model's non-parameter state (constant across weight updates)."""
+        return self._rest
 
     @property
     def num_compilations(self) -> int:
@@ -534,6 +611,7 @@ class Sampler:
                     finish_reason="stop" if stopped else "length",
                     stop_token_id=toks[-1] if stopped else None,
                     weight_version=version,
+                    output_token_versions=[version] * n,
                 )
             )
         return out
@@ -587,21 +665,10 @@ class Sampler:
         cache, cur_tok, cur_pos, out = carry["cache"], carry["cur_tok"], carry["cur_pos"], carry["out"]
         B = cur_tok.shape[0]
         logits, cache = model(cur_tok[:, None], cur_pos[:, None], cache=cache)
-        logits = logits[:, 0, :].astype(jnp.float32)
-        raw_lp = jax.nn.log_softmax(logits, axis=-1)
-        temp = inputs["temperature"]
-        greedy = temp <= 0.0
-        scaled = logits / jnp.where(greedy, 1.0, temp)[:, None]
-        if filtering:
-            scaled = apply_top_k_top_p(scaled, inputs["top_k"], inputs["top_p"])
-        proc_lp = jax.nn.log_softmax(scaled, axis=-1)
         n_gen = out["num_generated"]
-        keys = jax.random.wrap_key_data(inputs["key_data"], impl="threefry2x32")
-        step_keys = jax.vmap(jax.random.fold_in)(keys, n_gen)
-        sampled = jax.vmap(lambda k, z: jax.random.categorical(k, z))(step_keys, scaled)
-        tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-        lp_raw = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
-        lp_proc = jnp.where(greedy, lp_raw, jnp.take_along_axis(proc_lp, tok[:, None], axis=-1)[:, 0])
+        s = sample_next(logits[:, 0, :], inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["key_data"],
+                        n_gen, top_n=top_n, filtering=filtering)
+        tok, lp_raw, lp_proc = s["token"], s["logprob"], s["sampling_logprob"]
 
         done = out["done"]
         active = ~done
@@ -616,12 +683,9 @@ class Sampler:
         new_out["logprobs"] = put(out["logprobs"], lp_raw)
         new_out["sampling_logprobs"] = put(out["sampling_logprobs"], lp_proc)
         if top_n:
-            top_raw, top_ids = jax.lax.top_k(raw_lp, top_n)
-            top_proc = jnp.take_along_axis(proc_lp, top_ids, axis=-1)
-            top_proc = jnp.where(greedy[:, None], top_raw, top_proc)
-            new_out["top_ids"] = put(out["top_ids"], top_ids)
-            new_out["top_raw"] = put(out["top_raw"], top_raw)
-            new_out["top_proc"] = put(out["top_proc"], top_proc)
+            new_out["top_ids"] = put(out["top_ids"], s["top_ids"])
+            new_out["top_raw"] = put(out["top_raw"], s["top_raw"])
+            new_out["top_proc"] = put(out["top_proc"], s["top_proc"])
         is_stop = jnp.any(tok[:, None] == inputs["stop_ids"], axis=-1) & active
         n_gen = n_gen + active.astype(jnp.int32)
         new_out["num_generated"] = n_gen

@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from jaxprm.serve.engine import BatchingEngine
+from starlette.requests import Request
+
+from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineFuture, RowDelta
 from jaxprm.serve.errors import APIError
+from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
 from jaxprm.serve.weights import resolve_roots
 
@@ -40,12 +43,19 @@ class ServeConfig:
       default_max_tokens: chat / default cap when the request gives none (``None``: rest of context).
       logprobs_mode: ``"processed"`` (sampling distribution) or ``"raw"`` (temperature-1 policy).
       request_timeout_s: a request waiting longer for generation gets 504.
-      collect_window_s / max_collect_s / max_batch: dynamic batching: a batch closes when no request
-        arrived for ``collect_window_s``, ``max_collect_s`` after its first request, or at
-        ``max_batch`` rows (see ``BatchingEngine``).
+      max_batch: most sequences decoding at once (default: the sampler's ``max_batch``).
+      collect_window_s / max_collect_s: an idle engine waits for a burst of arrivals: until none came
+        for ``collect_window_s``, at most ``max_collect_s`` after the first.
       max_stop_strings: most ``stop`` strings per request.
       weights_roots: directories ``/update_weights_from_disk`` may load from (resolved; each must
         exist); empty: loading from disk is refused (see ``jaxprm.serve.weights``).
+      block_size: tokens per KV block (the prefix cache shares whole blocks).
+      kv_cache_bytes / kv_cache_tokens: the KV pool's memory budget (``kv_cache_tokens`` wins if
+        set); a request that can never fit gets 400, one that does not fit now waits.
+      decode_steps: decode steps per compiled decode call (continuous batching admits and retires
+        sequences between calls); ``None``: chosen by model size (see ``Engine``).
+      prefill_chunk / max_prefill_tokens: chunked prefill: prompt tokens per sequence / per call.
+      enable_prefix_cache: reuse the KV of cached prompt prefixes (radix tree over blocks).
     """
 
     model_name: str = "jaxprm"
@@ -61,6 +71,13 @@ class ServeConfig:
     max_batch: int | None = None
     max_stop_strings: int = 16
     weights_roots: tuple[str, ...] = ()
+    block_size: int = 16
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_tokens: int | None = None
+    decode_steps: int | None = None
+    prefill_chunk: int = 256
+    max_prefill_tokens: int = 1024
+    enable_prefix_cache: bool = True
 
     def __post_init__(self):
         if self.logprobs_mode not in ("raw", "processed"):
@@ -68,19 +85,33 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (None serves without a key)")
         self.weights_roots = resolve_roots(self.weights_roots)
+        for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes"):
+            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_cache_tokens is not None and int(self.kv_cache_tokens) < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The ``Engine`` options of this config."""
+        return dict(max_batch=self.max_batch, block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+                    kv_cache_tokens=self.kv_cache_tokens, decode_steps=self.decode_steps,
+                    prefill_chunk=self.prefill_chunk, max_prefill_tokens=self.max_prefill_tokens,
+                    enable_prefix_cache=self.enable_prefix_cache, collect_window_s=self.collect_window_s,
+                    max_collect_s=self.max_collect_s)
 
 
 class Serving:
-    """Everything a request handler needs, shared by the dialects: sampler, tokenizer, batching
-    engine, config, a token-text cache, request validation, generation and stop-string cuts."""
+    """Everything a request handler needs, shared by the dialects: sampler, tokenizer, engine,
+    metrics, config, a token-text cache, request validation, generation (whole or streamed) and
+    stop-string cuts."""
 
     def __init__(self, sampler: Sampler, tokenizer, config: ServeConfig, load_fn: Callable | None):
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.config = config
         self.load_fn = load_fn
-        self.engine = BatchingEngine(sampler, max_batch=config.max_batch, collect_window_s=config.collect_window_s,
-                                     max_collect_s=config.max_collect_s)
+        self.metrics = EngineMetrics(config.model_name)
+        self.engine = Engine(sampler, metrics=self.metrics, **config.engine_kwargs())
         self.created = int(time.time())
         self.swap_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
@@ -168,8 +199,6 @@ class Serving:
 
     @staticmethod
     def check_unsupported(req) -> None:
-        if getattr(req, "stream", False):
-            raise APIError("streaming is not supported by this server; send stream=false", param="stream")
         for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(req, name, None)
             if value is not None and value != neutral:
@@ -179,20 +208,70 @@ class Serving:
         return getattr(req, "logprobs_mode", None) or self.config.logprobs_mode
 
     # generation --------------------------------------------------------------------------
-    async def run(self, prompts, params, choices) -> list[Completion]:
+    def submit(self, prompts, params, choices, *, on_delta=None) -> EngineFuture:
+        """Queue rows in the engine; bad rows (limits, KV pool size) give a 400 here, before
+        anything runs or streams."""
         if not self.engine.running:
             raise APIError("generation engine is not running", status=503)
-        for p, sp in zip(prompts, params):  # reject here rather than fail a whole batch later
-            try:
-                self.sampler.check_request(p, sp)
-            except ValueError as exc:
-                raise APIError(str(exc)) from exc
         try:
-            return await self.engine.generate(prompts, params, choices, timeout=self.config.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise APIError(f"generation timed out after {self.config.request_timeout_s} s", status=504) from None
-        except ValueError as exc:  # the sampler's own checks
+            return self.engine.submit(prompts, params, choices, on_delta=on_delta)
+        except ValueError as exc:
             raise APIError(str(exc)) from exc
+        except RuntimeError as exc:
+            raise APIError(str(exc), status=503) from exc
+
+    async def run(self, prompts, params, choices, *, request: Request | None = None) -> list[Completion]:
+        """Generate and wait; the request is cancelled in the engine (its KV blocks freed) when the
+        client disconnects (``request`` given), on timeout (504) or when the handler is cancelled."""
+        fut = self.submit(prompts, params, choices)
+        result = asyncio.wrap_future(fut)
+        watch = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+        try:
+            done, _ = await asyncio.wait({result} | ({watch} if watch else set()),
+                                         timeout=self.config.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if result in done:
+                return result.result()
+            fut.cancel()
+            if watch is not None and watch in done:
+                raise APIError("client disconnected", status=499)
+            raise APIError(f"generation timed out after {self.config.request_timeout_s} s", status=504)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def stream(self, prompts, params, choices) -> AsyncIterator[RowDelta]:
+        """Submit now (errors are raised here) and return an async iterator over row deltas; it
+        ends when every row finished. Closing it early (client gone) cancels the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def on_delta(delta: RowDelta) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, delta)
+
+        fut = self.submit(prompts, params, choices, on_delta=on_delta)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, None))
+        timeout = self.config.request_timeout_s
+
+        async def deltas():
+            left = len(prompts)
+            try:
+                while left:
+                    item = await asyncio.wait_for(q.get(), timeout)
+                    if item is None:
+                        if fut.cancelled() or fut.exception() is not None:
+                            raise RuntimeError(f"generation failed: {fut.exception()!r}")
+                        continue
+                    if item.completion is not None:
+                        left -= 1
+                    yield item
+            finally:
+                if not fut.done():
+                    fut.cancel()
+
+        return deltas()
 
     def cut_at_stop_strings(self, c: Completion, stops: Sequence[str]) -> tuple[int, str, str | None]:
         """Return (tokens kept, text, matched stop string) after applying stop strings (post hoc).
@@ -214,6 +293,14 @@ class Serving:
         prefix = self.decode(c.token_ids[:lo])
         cut, matched = min((prefix.find(s), s) for s in stops if s in prefix)
         return lo, prefix[:cut], matched
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client of ``request`` disconnects (its body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def sampling_params(*, max_tokens: int, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, top_logprobs) -> SamplingParams:

@@ -2,9 +2,15 @@
 
 * ``/generate``: ``text`` or ``input_ids`` (one or a batch), ``sampling_params``, ``return_logprob``
   -> ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text_or_null]``; the weight
-  version in ``meta_info.weight_version``.
+  version in ``meta_info.weight_version`` (of the oldest token), per token in
+  ``meta_info.output_token_versions``; prompt tokens served from the prefix cache in
+  ``meta_info.cached_tokens``. ``stream=true``: server-sent events, each with the output so far
+  (``index``, ``text``, ``output_ids``, ``meta_info``), then ``data: [DONE]``.
 * ``/update_weights_from_disk``: load a saved checkpoint (``{"model_path": ...}``) from under the
-  server's weights roots and swap it in (the guards are in ``jaxprm.serve.weights``).
+  server's weights roots and swap it in (the guards are in ``jaxprm.serve.weights``); it applies
+  between engine steps, running requests continue with the new weights.
+* ``/pause_generation`` (``{"mode": "abort" | "in_place"}``), ``/continue_generation``,
+  ``/flush_cache``: RL control (pause rollouts around a weight update, drop the prefix cache).
 * ``/get_weight_version``, ``/get_model_info``.
 """
 
@@ -16,18 +22,75 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxprm.serve.errors import APIError
-from jaxprm.serve.protocol import GenerateRequest, UpdateWeightsFromDiskRequest
+from jaxprm.serve.protocol import GenerateRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest
 from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.weights import LOAD_FAILED, check_version_order, parse_version, weights_path
+from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
 
 __all__ = ["sglang_router"]
 
 log = logging.getLogger(__name__)
+
+
+def _finish(reason: str, stop_reason: Any, n: int) -> dict[str, Any]:
+    if reason == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    if reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return {"type": "length", "length": n}
+
+
+def _meta(srv: Serving, req: GenerateRequest, rid: str, reason: str | None, stop_reason: Any, prompt_tokens: int,
+          ids: list[int], logprobs: list[float], tops, versions: list[int], cached: int, top_n: int,
+          latency: float) -> dict[str, Any]:
+    """SGLang's ``meta_info`` of one output (``finish_reason`` ``None`` while streaming)."""
+    meta: dict[str, Any] = {
+        "id": rid, "finish_reason": None if reason is None else _finish(reason, stop_reason, len(ids)),
+        "prompt_tokens": prompt_tokens, "completion_tokens": len(ids), "cached_tokens": cached,
+        "weight_version": min(versions) if versions else srv.sampler.weight_version,
+        "output_token_versions": versions, "e2e_latency": latency,
+    }
+    if req.return_logprob:
+        txt = srv.token_text if req.return_text_in_logprobs else (lambda t: None)
+        meta["output_token_logprobs"] = [[logprobs[j], t, txt(t)] for j, t in enumerate(ids)]
+        meta["input_token_logprobs"] = []
+        if top_n:
+            meta["output_top_logprobs"] = [[[lp, tid, txt(tid)] for tid, lp in tops[j][:top_n]]
+                                           for j in range(len(ids))]
+    return meta
+
+
+async def _generate_events(srv: Serving, req: GenerateRequest, deltas, rows, stops, top_n: int, rid_of, t0: float):
+    """SSE chunks of a streamed ``/generate``: per output ``index``, the text, ids and meta so far
+    (SGLang's cumulative form), then ``data: [DONE]``."""
+    ids = [[] for _ in rows]
+    lps = [[] for _ in rows]
+    tops = [[] for _ in rows]
+    versions = [[] for _ in rows]
+    text = [""] * len(rows)
+    async for p in pieces(deltas, len(rows), srv.decode, stops, srv.logprobs_mode(req), ()):
+        i = p.row
+        ids[i] += p.token_ids
+        lps[i] += p.logprobs
+        tops[i] += p.top_logprobs or [[] for _ in p.token_ids]
+        versions[i] += p.versions
+        text[i] += p.text
+        meta = _meta(srv, req, rid_of(i), p.finish_reason, p.stop_reason, len(rows[i]), ids[i], lps[i], tops[i],
+                     versions[i], p.cached_tokens, top_n, time.perf_counter() - t0)
+        yield sse({"index": i, "text": text[i], "output_ids": ids[i], "meta_info": meta})
+    yield SSE_DONE
+
+
+def _engine_call(fn, *args):
+    try:
+        return fn(*args)
+    except (RuntimeError, ValueError) as exc:
+        raise APIError(str(exc), status=503 if isinstance(exc, RuntimeError) else 400) from exc
 
 
 def sglang_router(srv: Serving) -> APIRouter:
@@ -45,9 +108,7 @@ def sglang_router(srv: Serving) -> APIRouter:
                 "vocab_size": srv.sampler.vocab_size, "weight_version": srv.sampler.weight_version}
 
     @router.post("/generate")
-    async def generate(req: GenerateRequest):
-        if req.stream:
-            raise APIError("streaming is not supported by this server; send stream=false", param="stream")
+    async def generate(req: GenerateRequest, raw: Request):
         spp = req.sampling_params
         srv.check_unsupported(spp)
         if (req.text is None) == (req.input_ids is None):
@@ -77,33 +138,43 @@ def sglang_router(srv: Serving) -> APIRouter:
                              ignore_eos=spp.ignore_eos, top_logprobs=top_n)
         rows = [ids for ids in ids_list for _ in range(spp.n)]
         choices_idx = [j for _ in ids_list for j in range(spp.n)]
-        t0 = time.perf_counter()
-        results = await srv.run(rows, [sp] * len(rows), choices_idx)
-        latency = time.perf_counter() - t0
         rids = req.rid if isinstance(req.rid, list) else None
+
+        def rid_of(i: int) -> str:
+            row = i // spp.n
+            return rids[row] if rids and row < len(rids) else (req.rid if isinstance(req.rid, str) else uuid.uuid4().hex)
+
+        t0 = time.perf_counter()
+        if req.stream:
+            deltas = srv.stream(rows, [sp] * len(rows), choices_idx)
+            return StreamingResponse(_generate_events(srv, req, deltas, rows, stops, top_n, rid_of, t0),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        results = await srv.run(rows, [sp] * len(rows), choices_idx, request=raw)
+        latency = time.perf_counter() - t0
         outs = []
         for ch in build_choices(srv, results, stops, srv.logprobs_mode(req), eos_ids=()):
             c, ids = ch.completion, ch.token_ids
-            if ch.finish_reason == "stop":
-                finish = {"type": "stop", "matched": ch.stop_reason}
-            else:
-                finish = {"type": "length", "length": len(ids)}
-            row = ch.index // spp.n
-            rid = rids[row] if rids and row < len(rids) else (req.rid if isinstance(req.rid, str) else uuid.uuid4().hex)
-            meta: dict[str, Any] = {
-                "id": rid, "finish_reason": finish, "prompt_tokens": len(c.prompt_ids),
-                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": c.weight_version,
-                "e2e_latency": latency,
-            }
-            if req.return_logprob:
-                txt = srv.token_text if req.return_text_in_logprobs else (lambda t: None)
-                meta["output_token_logprobs"] = [[ch.logprobs[j], t, txt(t)] for j, t in enumerate(ids)]
-                meta["input_token_logprobs"] = []
-                if top_n:
-                    meta["output_top_logprobs"] = [[[lp, tid, txt(tid)] for tid, lp in ch.top_logprobs[j][:top_n]]
-                                                   for j in range(len(ids))]
+            meta = _meta(srv, req, rid_of(ch.index), ch.finish_reason, ch.stop_reason, len(c.prompt_ids), ids,
+                         ch.logprobs, ch.top_logprobs, c.output_token_versions[: len(ids)], c.cached_tokens,
+                         top_n, latency)
             outs.append({"text": ch.text, "output_ids": ids, "meta_info": meta})
         return outs if (batched or spp.n > 1) else outs[0]
+
+    @router.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationRequest | None = None):
+        req = req or PauseGenerationRequest()
+        n = await asyncio.wrap_future(_engine_call(srv.engine.pause, req.mode))
+        return {"success": True, "mode": req.mode, "num_aborted_requests": n}
+
+    @router.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.wrap_future(_engine_call(srv.engine.resume))
+        return {"success": True}
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        n = await asyncio.wrap_future(_engine_call(srv.engine.flush_cache))
+        return {"success": True, "num_flushed_blocks": n}
 
     @router.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):

@@ -1,93 +1,236 @@
-"""BatchingEngine: gathering, ordering, cancellation, failure isolation, shutdown."""
+"""The continuous-batching engine (tiny model, no HTTP): same tokens as the static sampler under any
+arrival order, with or without the prefix cache, after preemption; joins mid-batch; cancellation;
+pause / update / flush / continue under load; the KV budget; no steady-state recompiles; bf16.
+
+The engine is the one behind the session's test server (its programs compile once for the folder).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from jaxprm.serve import Engine
 from jaxprm.serve.sampler import Sampler, SamplingParams
-from jaxprm.serve import BatchingEngine
+
+TEXTS = [
+    "You are walking on a frozen lake. The goal is to reach the gift without falling into a hole.",
+    "Up",
+    "Down and left and right and up again, please.",
+    "Current observation: P _ _ _ / _ O _ O / _ _ _ O / O _ _ G. Which action? Answer in a fence.",
+]
 
 
 @pytest.fixture(scope="module")
-def sampler(tiny, sampler_kw):
-    model, tok = tiny
-    return Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, **sampler_kw)
+def engine(server):
+    return server.app.state.server.engine
 
 
-def test_requests_are_gathered_and_resolved_in_order(sampler, tiny):
+@pytest.fixture(scope="module")
+def prompts(tiny):
     _, tok = tiny
-    engine = BatchingEngine(sampler, max_batch=16, collect_window_s=0.2, max_collect_s=1.0).start()
+    return [tok.encode(t) for t in TEXTS]
+
+
+def run(engine, prompts, params, **kw):
+    return engine.submit(prompts, params, **kw).result(timeout=120)
+
+
+def assert_same(got, want, atol=1e-5):
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=atol)
+        np.testing.assert_allclose(g.sampling_logprobs, w.sampling_logprobs, atol=atol)
+        assert g.finish_reason == w.finish_reason
+
+
+def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not engine.scheduler.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # let the worker finish its iteration
+    assert engine.scheduler.idle
+
+
+MIXED = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+         SamplingParams(max_new_tokens=20, temperature=1.0, seed=1),
+         SamplingParams(max_new_tokens=24, temperature=0.8, seed=2, ignore_eos=True),
+         SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, ignore_eos=True)]
+
+
+def test_matches_the_static_sampler_under_any_arrival_order(engine, prompts):
+    """Rows decided by prompt, seed and weights only: all at once, in reverse, or each joining the
+    running batch after the previous one has started decoding."""
+    want = engine.sampler.generate(prompts, MIXED)
+    assert_same(run(engine, prompts, MIXED), want)
+    futures, calls_before = [], engine.stats.batches
+    for p, sp in reversed(list(zip(prompts, MIXED))):
+        started = threading.Event()
+        futures.append(engine.submit([p], [sp], on_delta=lambda d, e=started: e.set()))
+        assert started.wait(60)  # the next request joins while this one decodes
+    staggered = [f.result(timeout=120)[0] for f in reversed(futures)]
+    assert_same(staggered, want)
+    calls = list(engine.stats.recent_batch_rows)[-(engine.stats.batches - calls_before):]
+    assert max(calls) >= 2  # a later request decoded together with an earlier one
+    assert all(c.output_token_versions == [engine.sampler.weight_version] * len(c.token_ids) for c in staggered)
+
+
+def test_prefix_cache_is_transparent_and_counts_cached_tokens(engine, prompts):
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    first = run(engine, [prompts[0]], [sp])[0]
+    follow_up = prompts[0] + first.token_ids + prompts[1]  # the next turn of a conversation
+    on = run(engine, [follow_up], [sp])[0]
+    assert on.cached_tokens == 16 * ((len(prompts[0]) + len(first.token_ids) - 1) // 16) > 0
+    engine.set_prefix_caching(False).result(30)
     try:
-        sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-        prompts = [tok.encode(t) for t in ("Up", "Down", "Left", "Right")]
-        futs = [engine.submit([p, p], [sp, sp]) for p in prompts]  # 4 requests x 2 rows
-        results = [f.result(timeout=120) for f in futs]
-        direct = sampler.generate(prompts, sp)
-        for res, d, p in zip(results, direct, prompts):
-            assert len(res) == 2 and all(c.prompt_ids == p and c.token_ids == d.token_ids for c in res)
-        assert engine.stats.max_rows_in_batch == 8 and engine.stats.batches == 1
+        off = run(engine, [follow_up], [sp])[0]
     finally:
-        engine.stop()
+        engine.set_prefix_caching(True).result(30)
+    assert off.cached_tokens == 0
+    assert_same([on], [off])
+    # n copies of a new prompt: prefilled once, the copies wait for its blocks
+    fresh = prompts[3] + prompts[2]
+    before = engine.stats.prefill_tokens
+    copies = run(engine, [fresh] * 4, [sp] * 4, choice_index=[0, 1, 2, 3])
+    assert engine.stats.prefill_tokens - before < 2 * len(fresh)
+    assert [c.cached_tokens for c in copies][1:] == [16 * ((len(fresh) - 1) // 16)] * 3
+    assert len({tuple(c.token_ids) for c in copies}) > 1  # choice indices give distinct streams
 
 
-def test_cancelled_requests_are_skipped_and_bad_ones_fail_alone(sampler):
-    engine = BatchingEngine(sampler, max_batch=16, collect_window_s=0.2, max_collect_s=1.0)
-    engine.start()
+def test_cancelling_frees_the_blocks(engine, prompts):
+    got, gate = threading.Event(), threading.Event()
+
+    def on_delta(d):  # hold the engine until the test has cancelled
+        got.set()
+        gate.wait(10)
+
+    fut = engine.submit([prompts[0]], [SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)],
+                        on_delta=on_delta)
+    assert got.wait(60)
+    assert fut.cancel()
+    gate.set()
+    wait_idle(engine)
+    assert engine.pool.num_referenced == 0
+    engine.pool.check_invariants()
+    with pytest.raises(concurrent.futures.CancelledError):
+        fut.result()
+
+
+def test_pause_update_flush_continue_under_load(engine, prompts, tiny):
+    model, _ = tiny
+    sampler = engine.sampler
+    rows = [prompts[i % 4] + [i + 3] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
+    delivered = []
+    first = threading.Event()
+
+    def on_delta(d):
+        delivered.append(len(d.token_ids))
+        first.set()
+
+    v0 = sampler.weight_version
+    fut = engine.submit(rows, params, on_delta=on_delta)
+    assert first.wait(60)
+    engine.pause("in_place").result(30)
+    frozen = sum(delivered)
+    time.sleep(0.3)
+    assert sum(delivered) == frozen and not fut.done()  # nothing runs while paused
+    rng = np.random.default_rng(0)
+    noisy = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32),
+                         sampler.params)
+    v1 = sampler.update_params(noisy)
+    engine.flush_cache().result(30)
+    engine.resume().result(30)
     try:
-        sp = SamplingParams(max_new_tokens=2, temperature=0.0)
-        gate = threading.Event()
-        original = sampler.generate
-
-        def slow_generate(*a, **k):  # hold the worker on the first batch so that the rest queue up
-            gate.wait(10)
-            return original(*a, **k)
-
-        sampler.generate = slow_generate
-        # all four land in one collection window; the batch with the bad row fails and is retried
-        # request by request, so only the bad request fails
-        first = engine.submit([[1, 2]], [sp])
-        cancelled = engine.submit([[3, 4]], [sp])
-        bad = engine.submit([[1, 10**6]], [sp])  # out of vocabulary: the sampler raises
-        good = engine.submit([[5, 6]], [sp])
-        assert cancelled.cancel()
-        gate.set()
-        assert len(first.result(timeout=120)) == 1
-        with pytest.raises(ValueError, match="outside"):
-            bad.result(timeout=120)
-        assert len(good.result(timeout=120)) == 1
-        assert cancelled.cancelled()
+        results = fut.result(120)
     finally:
-        sampler.__dict__.pop("generate", None)
-        engine.stop()
-    assert not engine.running
-    with pytest.raises(RuntimeError, match="not running"):
-        engine.submit([[1]], [sp])
+        sampler.update_params(model)
+    assert [len(c.token_ids) for c in results] == [24] * 8  # nothing lost, nothing duplicated
+    assert sum(delivered) == 8 * 24
+    for c in results:
+        assert c.output_token_versions == sorted(c.output_token_versions)
+        assert set(c.output_token_versions) <= {v0, v1} and c.output_token_versions[-1] == v1
+    assert any(c.output_token_versions[0] == v0 for c in results)
 
 
-def test_stop_fails_queued_requests(sampler):
-    engine = BatchingEngine(sampler)
-    engine.start()
-    gate = threading.Event()
-    original = sampler.generate
-    sampler.generate = lambda *a, **k: (gate.wait(10), original(*a, **k))[1]
+def test_pause_abort_returns_partial_outputs_and_later_requests_wait(engine, prompts):
+    got, gate = threading.Event(), threading.Event()
+
+    def on_delta(d):
+        got.set()
+        gate.wait(10)
+
+    sp = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    fut = engine.submit(prompts[:2], [sp, sp], on_delta=on_delta)
+    assert got.wait(60)
+    paused = engine.pause("abort")
+    gate.set()
+    assert paused.result(30) == 2
+    aborted = fut.result(30)
+    assert [c.finish_reason for c in aborted] == ["abort", "abort"]
+    assert all(0 < len(c.token_ids) < 32 for c in aborted)
+    queued = engine.submit([prompts[1]], [SamplingParams(max_new_tokens=4, temperature=0)])
+    time.sleep(0.3)
+    assert not queued.done()
+    engine.resume().result(30)
+    assert len(queued.result(60)[0].token_ids) >= 1
+    wait_idle(engine)
+    assert engine.pool.num_referenced == 0
+
+
+def test_kv_budget_waits_preempts_and_rejects(engine, prompts):
+    """A pool of 5 blocks: a request that can never fit is refused; four that fit one or two at a
+    time all finish (waiting, preempted and recomputed) with the unconstrained results."""
+    small = Engine(engine.sampler, max_batch=4, kv_cache_tokens=80).start()
     try:
-        sp = SamplingParams(max_new_tokens=1)
-        running = engine.submit([[1]], [sp])
-        queued = [engine.submit([[2]], [sp]) for _ in range(3)]
-        stopper = threading.Thread(target=engine.stop)
-        stopper.start()
-        gate.set()
-        stopper.join(60)
-        assert len(running.result(timeout=60)) == 1
-        for f in queued:
-            try:
-                f.result(timeout=60)
-            except RuntimeError as exc:  # either it ran before the stop or it failed cleanly
-                assert "stopped" in str(exc)
-            except concurrent.futures.CancelledError:
-                pass
+        with pytest.raises(ValueError, match="KV blocks"):
+            small.submit([[5] * 70], [SamplingParams(max_new_tokens=16)])
+        rows = [p[:20] for p in (prompts[0], prompts[3], prompts[0][5:], prompts[3][3:])]
+        params = [SamplingParams(max_new_tokens=24, temperature=t, seed=i, ignore_eos=True)
+                  for i, t in enumerate((0.0, 1.0, 1.0, 0.0))]
+        got = run(small, rows, params)
+        assert_same(got, run(engine, rows, params))
+        assert small.stats.preemptions >= 1
+        wait_idle(small)
+        assert small.pool.num_referenced == 0
+        small.pool.check_invariants()
     finally:
-        sampler.__dict__.pop("generate", None)
+        small.stop()
+
+
+def test_steady_state_never_recompiles(engine, prompts):
+    def workload():
+        sp = [SamplingParams(max_new_tokens=8 + 4 * i, temperature=0.7 * (i % 2), seed=i) for i in range(4)]
+        futs = [engine.submit([p], [s]) for p, s in zip(prompts, sp)]
+        futs.append(engine.submit(prompts, sp))
+        for f in futs:
+            f.result(120)
+
+    workload()  # cold
+    workload()  # the prompts are cached now: the steady state
+    n = engine.num_compilations
+    workload()
+    assert engine.num_compilations == n
+
+
+def test_bf16_weights_keep_float32_logprobs(tiny, sampler_kw, prompts, engine):
+    model, tok = tiny
+    s16 = Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, dtype="bfloat16",
+                  **sampler_kw)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(s16.params))
+    eng = Engine(s16, max_batch=4).start()
+    try:
+        assert eng.runner.pool.k.dtype == jnp.bfloat16
+        sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, top_logprobs=2)
+        got = run(eng, prompts[:1], [sp])[0]
+    finally:
+        eng.stop()
+    want = run(engine, prompts[:1], [sp])[0]
+    assert isinstance(got.logprobs[0], float) and got.token_ids[0] == want.token_ids[0]
+    assert abs(got.logprobs[0] - want.logprobs[0]) < 0.05

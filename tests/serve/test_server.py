@@ -48,7 +48,8 @@ def test_completion_logprobs_n_and_seed(client):
     assert texts[0] != texts[1] or texts[1] != texts[2]
     again = client.completions.create(**kw)
     assert [c.logprobs.tokens for c in again.choices] == texts
-    assert [c.logprobs.token_logprobs for c in again.choices] == [c.logprobs.token_logprobs for c in r.choices]
+    np.testing.assert_allclose([c.logprobs.token_logprobs for c in again.choices],
+                               [c.logprobs.token_logprobs for c in r.choices], atol=1e-5)
 
 
 def test_chat_completion_with_logprobs(client, http, tiny):
@@ -70,7 +71,9 @@ def test_chat_completion_with_logprobs(client, http, tiny):
     assert body["prompt_token_ids"] == expected_prompt
     c = body["choices"][0]
     assert len(c["token_ids"]) == len(c["logprobs"]["content"])
-    assert [x["logprob"] for x in c["logprobs"]["content"]] == [x.logprob for x in content]
+    # the same tokens; log-probs equal to float rounding (the second request reuses cached KV)
+    np.testing.assert_allclose([x["logprob"] for x in c["logprobs"]["content"]], [x.logprob for x in content],
+                               atol=1e-5)
     assert body["weight_version"] == 0 or isinstance(body["weight_version"], int)
 
 
@@ -223,7 +226,6 @@ def test_update_weights_in_process_and_from_disk(http, server, tiny, tmp_path):
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
-        ("/v1/completions", {"prompt": "hi", "stream": True}, 400, "stream"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop token"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),

@@ -1,0 +1,197 @@
+"""The engine's compiled programs over the paged KV pool: chunked prefill and multi-step decode.
+
+Both programs take the pool as a donated argument and return it updated in place.
+
+* ``prefill(tokens [R, C], positions [R, C], tables [R, nb])`` writes the keys and values of ``R``
+  rows' next prompt chunks (``C`` tokens each, padding at position -1). It produces no logits: a
+  sequence's last prompt token is fed by its first decode step, so every sampled token, the first
+  included, comes from the decode program and the one sampling function (``sample_next``).
+* ``decode(..., steps=k)`` runs ``k`` decode steps for ``B`` rows: feed each active row's current
+  token at its position (writing its KV), sample the next token with the row's options, record the
+  token, its raw and sampling log-probs (and top-n alternatives), and stop a row at a stop token
+  or when its remaining budget is spent. Inactive rows feed position -1 (nothing is written).
+
+Static shapes: ``B`` is a batch bucket, ``nb = W / block_size`` with ``W`` a window bucket (the
+longest position in the call, rounded up), ``R`` and ``C`` prefill row / chunk buckets. One program
+exists per ``(B, W, k, top-n on/off, filtering on/off)`` and per ``(R, C, W)`` (and per model
+structure and pool shape: the programs are shared by every engine of the process);
+``num_compilations()`` counts the traces (one per compilation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxprm.models.paged import PagedKVCache, paged_hidden_states
+from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, sample_next
+
+__all__ = ["ModelRunner", "DECODE_INPUTS", "prefill_arrays", "decode_arrays", "decode_input_shapes",
+           "num_compilations"]
+
+#: Per-row decode inputs (host numpy arrays, first axis ``B``).
+DECODE_INPUTS = ("token", "position", "active", "num_generated", "remaining", "temperature", "top_k", "top_p",
+                 "key_data", "stop_ids", "tables")
+
+
+_TRACES = [0]
+
+
+def num_compilations() -> int:
+    """Engine programs traced (= compiled) in this process, over all engines and shapes."""
+    return _TRACES[0]
+
+
+def _counted(fn):
+    def traced(*args, **kwargs):
+        _TRACES[0] += 1
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+def _prefill_impl(graphdef, params, rest, pool, tokens, positions, tables):
+    _, pool = paged_hidden_states(nnx.merge(graphdef, params, rest), tokens, positions, pool, tables)
+    return pool
+
+
+def _decode_impl(graphdef, params, rest, pool, inp, *, steps: int, top_n: int, filtering: bool):
+    model = nnx.merge(graphdef, params, rest)
+
+    def one(carry, _):
+        pool, tok, pos, active, n_gen, remaining = carry
+        fed = jnp.where(active, pos, -1)
+        hidden, pool = paged_hidden_states(model, tok[:, None], fed[:, None], pool, inp["tables"])
+        s = sample_next(model.logits(hidden[:, 0]), inp["temperature"], inp["top_k"], inp["top_p"],
+                        inp["key_data"], n_gen, top_n=top_n, filtering=filtering)
+        valid = active
+        step = valid.astype(jnp.int32)
+        is_stop = jnp.any(s["token"][:, None] == inp["stop_ids"], axis=-1)
+        n_gen, remaining = n_gen + step, remaining - step
+        active = active & ~is_stop & (remaining > 0)
+        tok = jnp.where(valid, s["token"], tok)
+        return (pool, tok, pos + step, active, n_gen, remaining), dict(s, valid=valid)
+
+    init = (pool, inp["token"], inp["position"], inp["active"], inp["num_generated"], inp["remaining"])
+    (pool, *_), outs = jax.lax.scan(one, init, None, length=steps)
+    return pool, outs
+
+
+# One jitted function per program kind for the whole process: engines over models of the same
+# structure (the graphdef is a static argument) and pools of the same shape share compilations.
+_prefill = jax.jit(_counted(_prefill_impl), static_argnums=(0,), donate_argnums=(3,))
+_decode = jax.jit(_counted(_decode_impl), static_argnums=(0,), static_argnames=("steps", "top_n", "filtering"),
+                  donate_argnums=(3,))
+
+
+class ModelRunner:
+    """Owns one engine's device pool and calls the compiled programs (weights passed per call).
+
+    Args:
+      graphdef / rest: the model structure and non-parameter state (``Sampler.graphdef/rest``).
+      config: the model config.
+      num_blocks / block_size: the pool (block 0 is the null block).
+      cache_dtype: pool dtype (default: the parameter dtype).
+    """
+
+    def __init__(self, graphdef, rest, config, *, num_blocks: int, block_size: int, cache_dtype: Any = None):
+        self.graphdef = graphdef
+        self.rest = rest
+        self.config = config
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.pool = PagedKVCache.init(config, self.num_blocks, self.block_size, dtype=cache_dtype)
+
+    @property
+    def num_compilations(self) -> int:
+        """Programs traced so far in this process (compilations are shared between engines)."""
+        return num_compilations()
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.pool.k.nbytes + self.pool.v.nbytes)
+
+    def prefill(self, params, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> None:
+        """Write the KV of ``tokens [R, C]`` at ``positions`` (-1: padding) through ``tables [R, nb]``."""
+        self.pool = _prefill(self.graphdef, params, self.rest, self.pool, tokens, positions, tables)
+
+    def decode(self, params, inputs: dict[str, np.ndarray], *, steps: int, top_n: int, filtering: bool
+               ) -> dict[str, np.ndarray]:
+        """Run ``steps`` decode steps; returns host arrays ``[steps, B]`` (``token``, ``logprob``,
+        ``sampling_logprob``, ``valid``; with ``top_n``: ``top_ids / top_raw / top_proc [steps, B, n]``)."""
+        self.pool, outs = _decode(self.graphdef, params, self.rest, self.pool, inputs, steps=steps, top_n=top_n,
+                                  filtering=filtering)
+        return jax.device_get(outs)
+
+    # ahead-of-time compilation -----------------------------------------------------------------
+    def compile_prefill(self, params, rows: int, chunk: int, window: int) -> None:
+        """Compile the prefill program for ``[rows, chunk]`` tokens over ``window`` positions."""
+        S = jax.ShapeDtypeStruct
+        nb = window // self.block_size
+        _prefill.lower(self.graphdef, params, self.rest, self.pool, S((rows, chunk), jnp.int32),
+                       S((rows, chunk), jnp.int32), S((rows, nb), jnp.int32)).compile()
+
+    def compile_decode(self, params, batch: int, window: int, *, steps: int, top_n: int, filtering: bool) -> None:
+        """Compile the decode program for ``batch`` rows over ``window`` positions."""
+        _decode.lower(self.graphdef, params, self.rest, self.pool, decode_input_shapes(batch, window // self.block_size),
+                      steps=steps, top_n=top_n, filtering=filtering).compile()
+
+
+def decode_input_shapes(batch: int, nb: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of the decode inputs for ``batch`` rows and ``nb`` table entries."""
+    S = jax.ShapeDtypeStruct
+    i32, f32 = jnp.int32, jnp.float32
+    return dict(token=S((batch,), i32), position=S((batch,), i32), active=S((batch,), jnp.bool_),
+                num_generated=S((batch,), i32), remaining=S((batch,), i32), temperature=S((batch,), f32),
+                top_k=S((batch,), i32), top_p=S((batch,), f32), key_data=S((batch, 2), jnp.uint32),
+                stop_ids=S((batch, MAX_STOP_TOKEN_IDS), i32), tables=S((batch, nb), i32))
+
+
+
+def prefill_arrays(rows, R: int, C: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inputs of one prefill call: ``tokens, positions [R, C]`` (padding: token 0 at position -1)
+    and ``tables [R, nb]`` for ``rows`` of ``(sequence, start, count)``."""
+    tokens = np.zeros((R, C), np.int32)
+    positions = np.full((R, C), -1, np.int32)
+    tables = np.zeros((R, nb), np.int32)
+    for i, (seq, start, n) in enumerate(rows):
+        tokens[i, :n] = seq.tokens(start + n)[start:]
+        positions[i, :n] = np.arange(start, start + n)
+        blocks = seq.blocks[:nb]
+        tables[i, : len(blocks)] = blocks
+    return tokens, positions, tables
+
+
+def decode_arrays(rows, B: int, nb: int) -> tuple[dict[str, np.ndarray], int, bool]:
+    """Inputs of one decode call for these sequences padded to ``B`` rows (inactive padding), and
+    the program variant: ``top_n`` (``MAX_TOP_LOGPROBS`` if any row wants alternatives, else 0)
+    and ``filtering`` (any sampled row with top-k or top-p)."""
+    inp = dict(
+        token=np.zeros((B,), np.int32), position=np.full((B,), -1, np.int32), active=np.zeros((B,), bool),
+        num_generated=np.zeros((B,), np.int32), remaining=np.zeros((B,), np.int32),
+        temperature=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32), top_p=np.ones((B,), np.float32),
+        key_data=np.zeros((B, 2), np.uint32), stop_ids=np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32),
+        tables=np.zeros((B, nb), np.int32))
+    top_n, filtering = 0, False
+    for i, s in enumerate(rows):
+        sp = s.params
+        inp["token"][i] = s.output[-1] if s.output else s.prompt[-1]
+        inp["position"][i] = s.num_computed
+        inp["active"][i] = True
+        inp["num_generated"][i] = len(s.output)
+        inp["remaining"][i] = s.remaining
+        inp["temperature"][i] = sp.temperature
+        inp["top_k"][i] = max(sp.top_k, 0)
+        inp["top_p"][i] = sp.top_p
+        inp["key_data"][i] = s.key_data
+        inp["stop_ids"][i] = s.stop_array
+        blocks = s.blocks[:nb]
+        inp["tables"][i, : len(blocks)] = blocks
+        if sp.top_logprobs > 0:
+            top_n = MAX_TOP_LOGPROBS
+        filtering = filtering or (sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0))
+    return inp, top_n, filtering

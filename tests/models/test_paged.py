@@ -1,0 +1,75 @@
+"""The transformer over a paged KV pool equals the plain forward (chunked prefill, decode steps,
+shuffled block tables, rows sharing prefix blocks)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxprm.models import Transformer, tiny_config
+from jaxprm.models.paged import PagedKVCache, kv_bytes_per_token, paged_hidden_states
+
+BS = 4
+
+
+def _model():
+    return Transformer(tiny_config(vocab_size=97), rngs=nnx.Rngs(0))
+
+
+@jax.jit
+def _plain_logits(model, tokens, positions):
+    return model(tokens, positions)[0]
+
+
+@jax.jit
+def _paged_logits(model, tokens, positions, cache, tables):
+    hidden, cache = paged_hidden_states(model, tokens, positions, cache, tables)
+    return model.logits(hidden), cache
+
+
+def test_chunked_prefill_and_decode_over_shuffled_blocks_match_the_plain_forward():
+    model = _model()
+    rng = np.random.default_rng(0)
+    B, T = 2, 23
+    tokens = rng.integers(0, 97, (B, T))
+    positions = np.broadcast_to(np.arange(T), (B, T))
+    want = np.asarray(_plain_logits(model, jnp.asarray(tokens), jnp.asarray(positions)))
+    cache = PagedKVCache.init(model.config, 20, BS)
+    tables = rng.permutation(np.arange(1, 20))[:16].reshape(B, 8)  # 32 positions per row, any blocks
+    got = []
+    for lo, hi in ((0, 8), (8, 16)) + tuple((t, t + 1) for t in range(16, T)):  # two chunks, then decode
+        pos = positions[:, lo:hi].copy()
+        logits, cache = _paged_logits(model, jnp.asarray(tokens[:, lo:hi]), jnp.asarray(pos), cache,
+                                      jnp.asarray(tables))
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5, rtol=1e-5)
+
+
+def test_padding_is_not_written_and_shared_prefix_blocks_are_only_read():
+    model = _model()
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 97, 8)  # two full blocks, computed once by row 0
+    tails = rng.integers(0, 97, (2, 5))  # row 1's own continuation after the shared prefix
+    cache = PagedKVCache.init(model.config, 12, BS)
+    tables = np.array([[1, 2, 3, 4], [1, 2, 5, 6]])  # row 1 shares row 0's prefix blocks
+    first = np.stack([prefix, prefix])
+    pos = np.stack([np.arange(8), np.full(8, -1)])  # row 1 is padding in this call: writes nothing
+    _, cache = _paged_logits(model, jnp.asarray(first), jnp.asarray(pos), cache, jnp.asarray(tables))
+    assert not np.asarray(cache.k[:, 5:7]).any()  # row 1's own blocks untouched
+    second = np.zeros((2, 8), np.int64)
+    second[1, :5] = tails[1]
+    pos1 = np.full((2, 8), -1)
+    pos1[1, :5] = np.arange(8, 13)
+    logits, _ = _paged_logits(model, jnp.asarray(second), jnp.asarray(pos1), cache, jnp.asarray(tables))
+    logits = np.asarray(logits)[:, :5]
+    seq = np.concatenate([prefix, tails[1]])[None]
+    want = np.asarray(_plain_logits(model, jnp.asarray(seq), jnp.asarray(np.arange(13)[None])))[0, 8:]
+    np.testing.assert_allclose(np.asarray(logits)[1], want, atol=2e-5, rtol=1e-5)
+
+
+def test_kv_bytes_per_token():
+    c = tiny_config(vocab_size=97)
+    assert kv_bytes_per_token(c) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    assert kv_bytes_per_token(c, "bfloat16") == kv_bytes_per_token(c) // 2
