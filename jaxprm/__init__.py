@@ -11,92 +11,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "AdvantageConfig",
-    "Advantages",
-    "Batch",
-    "GAE_METHODS",
-    "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
-    "NORM_LEVELS",
-    "PackedAdvantages",
-    "PackedBatch",
-    "PolicyLossTerms",
-    "RowData",
-    "SHAPING_MODES",
-    "bucket_size",
-    "check_uniform_turn_rewards",
-    "compute_advantages",
-    "fold_turn_rewards",
-    "gae",
-    "gather_to_flat",
-    "group_normalize_rewards",
-    "kl_penalty",
-    "masked_sum_count",
-    "normalize",
-    "pack_advantages",
-    "pack_rows",
-    "packed_logprobs",
-    "packed_policy_loss",
-    "pad_rows",
-    "place_outcome_rewards",
-    "policy_loss",
-    "policy_loss_terms",
-    "shape_advantages",
-    "shift_to_prediction",
-    "transform_outcome_rewards",
-    "tree_attention_mask",
-    "validate_process_rewards",
-]
-_EXPORTS = frozenset(__all__)
-
 if TYPE_CHECKING:
-    from jaxprm.learner import (
-        AdvantageConfig,
-        Advantages,
-        Batch,
-        GAE_METHODS,
-        KL_ESTIMATORS,
-        LOSS_AGGREGATIONS,
-        NORM_LEVELS,
-        PackedAdvantages,
-        PackedBatch,
-        PolicyLossTerms,
-        RowData,
-        SHAPING_MODES,
-        bucket_size,
-        check_uniform_turn_rewards,
-        compute_advantages,
-        fold_turn_rewards,
-        gae,
-        gather_to_flat,
-        group_normalize_rewards,
-        kl_penalty,
-        masked_sum_count,
-        normalize,
-        pack_advantages,
-        pack_rows,
-        packed_logprobs,
-        packed_policy_loss,
-        pad_rows,
-        place_outcome_rewards,
-        policy_loss,
-        policy_loss_terms,
-        shape_advantages,
-        shift_to_prediction,
-        transform_outcome_rewards,
-        tree_attention_mask,
-        validate_process_rewards,
-    )
+    from jaxprm.learner import *  # noqa: F403
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module("jaxprm.learner"), name)
+    """The learner's names (``jaxprm.learner.__all__``, also as ``__all__``), loaded on first use."""
+    learner = importlib.import_module("jaxprm.learner")
+    if name == "__all__":
+        return list(learner.__all__)
+    if name in learner.__all__:
+        value = getattr(learner, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(importlib.import_module("jaxprm.learner").__all__))

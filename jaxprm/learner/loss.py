@@ -124,14 +124,23 @@ def policy_loss(
         loss_sum = jnp.sum(jnp.where(has, per_row, 0.0))
         loss_count = jnp.sum(has.astype(t.pg_loss.dtype))
     loss = loss_sum / jnp.maximum(loss_count, 1.0)
-    denom = jnp.maximum(n_valid, 1.0)
     sums = {
         "clip_sum": jnp.sum(t.clip_mask.astype(m.dtype)),
         "dual_clip_sum": jnp.sum(t.dual_clip_mask.astype(m.dtype)),
         "approx_kl_sum": jnp.sum(t.approx_kl),
         "ratio_sum": jax.lax.stop_gradient(jnp.sum(t.ratio)),
     }
-    metrics = {
+    return loss, loss_metrics(loss_sum, loss_count, n_valid, sums)
+
+
+def loss_metrics(loss_sum: jax.Array, loss_count: jax.Array, n_valid: jax.Array,
+                 sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The loss's metrics: the (sum, count) numerators that combine across microbatches and
+    devices (``loss_sum``, ``loss_count``, ``n_valid_tokens``, ``clip_sum``, ``dual_clip_sum``,
+    ``approx_kl_sum``, ``ratio_sum``) and their ratios over the valid tokens (``clip_fraction``,
+    ``dual_clip_fraction``, ``approx_kl``, ``ratio_mean``)."""
+    denom = jnp.maximum(n_valid, 1.0)
+    return {
         "loss_sum": jax.lax.stop_gradient(loss_sum),
         "loss_count": loss_count,
         "n_valid_tokens": n_valid,
@@ -141,4 +150,3 @@ def policy_loss(
         "approx_kl": sums["approx_kl_sum"] / denom,
         "ratio_mean": sums["ratio_sum"] / denom,
     }
-    return loss, metrics

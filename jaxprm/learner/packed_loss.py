@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_2d_same, check_choice, check_float
-from jaxprm.learner.loss import LOSS_AGGREGATIONS
+from jaxprm.learner.loss import loss_metrics
+from jaxprm.modes import LOSS_AGGREGATIONS
 from jaxprm.learner.packing import PackedBatch
 
 __all__ = ["PackedAdvantages", "pack_advantages", "packed_policy_loss", "packed_logprobs"]
@@ -150,15 +151,4 @@ def packed_policy_loss(
         "approx_kl_sum": jax.lax.stop_gradient(jnp.sum(adv.count * approx_kl)),
         "ratio_sum": jnp.sum(adv.count * r),
     }
-    denom = jnp.maximum(n_valid, 1.0)
-    metrics = {
-        "loss_sum": jax.lax.stop_gradient(loss_sum),
-        "loss_count": loss_count,
-        "n_valid_tokens": n_valid,
-        **sums,
-        "clip_fraction": sums["clip_sum"] / denom,
-        "dual_clip_fraction": sums["dual_clip_sum"] / denom,
-        "approx_kl": sums["approx_kl_sum"] / denom,
-        "ratio_mean": sums["ratio_sum"] / denom,
-    }
-    return loss, metrics
+    return loss, loss_metrics(loss_sum, loss_count, n_valid, sums)

@@ -272,22 +272,8 @@ class _Job:
         row = dict(res.stats)
         row.update(res.prm_metrics.summary())  # the exports' prm_stats, recorded after they returned
         with self.times.phase("learn") as learning:
-            if res.rows:
-                row.update(self.learn_rows(res.rows, step))
-            else:
-                self.state = dataclasses.replace(self.state, step=self.state.step + 1)
-                row["skipped"] = True
-        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile)
-        try:  # before the new weights are pushed (as in train_step)
-            self.gen.check_behavior(step, row)
-        except TrainError:
-            self.metrics.log(step, "train", row)
-            raise
-        with self.times.phase("sync") as sync:
-            await self.gen.sync(step)
-        row.update(compile_s=rollout.compile + learning.compile + sync.compile, step_s=time.perf_counter() - t0)
-        self.metrics.log(step, "train", row)
-        return row
+            row.update(self._learn_or_skip(step, lambda: self.learn_rows(res.rows, step) if res.rows else None))
+        return await self._finish_step(step, row, t0, rollout, (rollout, learning))
 
     async def train_step(self, step: int, scorer) -> dict[str, Any]:
         """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
@@ -319,12 +305,20 @@ class _Job:
             row["branch_rejected_groups"] = len(branch_rejected)
             row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
         with self.times.phase("learn") as learning:
-            if kept:
-                row.update(self.learn(kept, rewards, step))
-            else:
-                self.state = dataclasses.replace(self.state, step=self.state.step + 1)
-                row["skipped"] = True
-        spans = (rollout, scoring, learning)
+            row.update(self._learn_or_skip(step, lambda: self.learn(kept, rewards, step) if kept else None))
+        return await self._finish_step(step, row, t0, rollout, (rollout, scoring, learning))
+
+    def _learn_or_skip(self, step: int, learn) -> dict[str, Any]:
+        """``learn()``'s metrics, or (nothing to learn from: it returned ``None``) a skipped step."""
+        out = learn()
+        if out is None:
+            self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+            return {"skipped": True}
+        return out
+
+    async def _finish_step(self, step: int, row: dict[str, Any], t0: float, rollout, spans) -> dict[str, Any]:
+        """Check that the sampler was the learner's policy, push the new weights, log the row."""
+        learning = spans[-1]
         row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile)
         try:  # before the new weights are pushed: a sampler that is not the learner's policy stops the run
             self.gen.check_behavior(step, row)

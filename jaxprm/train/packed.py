@@ -31,7 +31,7 @@ from rollout.export import export_groups_packed
 
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import PackedBatch
-from jaxprm.train.step import TrainState, TrainStep, reference_logprobs, step_inputs
+from jaxprm.train.step import TrainState, TrainStep, minibatch_rows, reference_logprobs, step_inputs
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
 
@@ -64,13 +64,7 @@ def packed_row_buckets(multiple: int, largest: int = 1 << 12) -> tuple[int, ...]
 
 
 def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
-    R = data["tokens"].shape[0]
-    per_mb = (n_real + n_mb - 1) // n_mb
-    i = jnp.arange(mb_rows)
-    pos = k * per_mb + i
-    valid = (i < per_mb) & (pos < n_real)
-    idx = order[jnp.clip(pos, 0, R - 1)]
-    mb = {name: jnp.take(v, idx, axis=0) for name, v in data.items()}
+    mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
     for key in (*_ADV_KEYS, "row_leaves"):
         v = mb[key]
         mb[key] = v * valid.reshape((-1,) + (1,) * (v.ndim - 1)).astype(v.dtype)

@@ -126,14 +126,22 @@ def step_inputs(batch, advantages) -> dict[str, jax.Array]:
     }
 
 
-def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+def minibatch_rows(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int,
+                   n_mb: int) -> tuple[dict, jax.Array]:
+    """Minibatch ``k`` of ``n_mb``: the real rows (first ``n_real`` of ``order``) spread evenly, ``ceil(n_real
+    / n_mb)`` per minibatch, in ``mb_rows`` slots. Returns the gathered rows of every array of ``data``
+    (leading axis rows) and ``valid [mb_rows]`` (slots that hold a real row of this minibatch)."""
     B = data["tokens"].shape[0]
     per_mb = (n_real + n_mb - 1) // n_mb
     i = jnp.arange(mb_rows)
     pos = k * per_mb + i
     valid = (i < per_mb) & (pos < n_real)
     idx = order[jnp.clip(pos, 0, B - 1)]
-    mb = {name: jnp.take(v, idx, axis=0) for name, v in data.items()}
+    return {name: jnp.take(v, idx, axis=0) for name, v in data.items()}, valid
+
+
+def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+    mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
     mb["loss_mask"] = mb["loss_mask"] * valid[:, None].astype(mb["loss_mask"].dtype)
     return mb
 
