@@ -39,6 +39,7 @@ def _server_threads() -> list[threading.Thread]:
 
 
 def test_faulty_groups_are_dropped_with_their_reason_and_training_goes_on(tmp_path):
+    before = set(_server_threads())  # servers of other test modules may be up
     fault_scorers.SEEN.clear()
     logs: list[str] = []
     prm_scorers = (f"[{{path: {FAULTS}.GroupFault, kwargs: {{faults: {{g10001: raise, g10002: nan, g10003: hang, "
@@ -69,15 +70,16 @@ def test_faulty_groups_are_dropped_with_their_reason_and_training_goes_on(tmp_pa
     # the scorers closed first (the server still up), the failing close only warned, everything else closed
     assert fault_scorers.SEEN["server_alive_at_scorer_close"] is True
     assert any("closing the process-reward scorers failed" in m for m in logs)
-    assert not _server_threads()
+    assert set(_server_threads()) <= before
 
 
 def test_a_scorer_that_fails_at_startup_stops_the_run_and_closes_everything(tmp_path):
+    before = set(_server_threads())
     cfg = load_config(None, [*SMALL, "steps=1", "rollout.tasks_per_step=1", "prm.enabled=true",
                              f"prm.scorers=[{{path: {FAULTS}.FailingStart}}]", f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(TrainError, match="prm: could not build the scorers: RuntimeError: injected startup failure"):
         train(cfg)
-    assert not _server_threads()
+    assert set(_server_threads()) <= before
 
 
 def test_cleanup_runs_every_closer_and_keeps_the_original_error():
