@@ -93,8 +93,8 @@ def test_faulty_groups_are_dropped_with_their_reason_and_training_goes_on(tmp_pa
     assert fault_scorers.SEEN["max_groups_in_flight"] == 2
     # the scorers closed first (the server still up), the failing close only warned, everything else closed
     assert fault_scorers.SEEN["server_alive_at_scorer_close"] is True
-    assert any("closing the process-reward scorers failed" in m for m in logs)
-    assert set(_server_threads()) <= before
+    assert any("closing the process-reward scorers failed: RuntimeError: injected aclose failure" in m for m in logs)
+    assert set(_server_threads()) <= before and not _open_files_under(Path(summary.run_dir))
 
 
 def test_a_scorer_that_fails_at_startup_stops_the_run_and_closes_everything(tmp_path):
