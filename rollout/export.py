@@ -25,7 +25,8 @@ from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch
 from jaxprm.learner.packing import PackedBatch, pack_rows
 from rollout.tree import GroupResult, LeafRecord
 from rollout.types import InteractionTree
-from scorers import filter_mixed_or_penalized_all_wrong, filter_mixed_or_penalized_all_wrong_mask_no_eos
+from scorers import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
+                     filter_mixed_or_penalized_all_wrong_mask_no_eos)
 
 __all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "export_groups_packed", "filter_groups",
            "ProcessRewards", "FILTERS"]
@@ -176,8 +177,10 @@ def filter_groups(groups: Sequence[GroupResult], process_rewards: Sequence[Proce
     """Apply the group filter ``name`` (a key of :data:`FILTERS`) to each group's training leaves:
     outcome reward, the branch's process rewards (its turns' arrays concatenated) and whether the
     last response was truncated. Returns the kept groups and their process rewards; ``counters`` gets
-    each decision's reason."""
+    the reference's counters (``scorers.FILTER_COUNTERS``, every one present, zero when unused)."""
     fn = FILTERS[name]
+    for key in FILTER_COUNTERS:
+        counters.setdefault(key, 0)
     kept_g, kept_r = [], []
     for g, pr in zip(groups, process_rewards, strict=True):
         samples = []

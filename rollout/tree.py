@@ -515,8 +515,10 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
       group_seed: distinguishes groups (and steps) for per-request seeds.
       group_key: prefix of interaction ids and the route key; default ``f"g{group_seed}"``.
 
-    Raises :class:`GroupRejected` if the branch scorer rejects a checkpoint, :class:`RolloutError`
-    (with the cause chained) if a request or env step fails; the other branches are cancelled first. Cancelling the caller cancels every branch.
+    Raises ``ValueError`` for a bad call (``"patr"`` without a scorer) before anything runs;
+    :class:`GroupRejected` if the branch scorer rejects a checkpoint; :class:`RolloutError` (with the
+    cause chained) if anything else fails during the rollout (a request, an env step, the prompt
+    chain); the other branches are cancelled first. Cancelling the caller cancels every branch.
     """
     if not isinstance(prompts, PromptBuilder):
         prompts = PromptBuilder(prompts)
@@ -526,9 +528,9 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
     run = _GroupRun(task, env_factory, client, prompts, config, scorer, group_seed, key)
     try:
         return await run.run()
-    except (asyncio.CancelledError, RolloutError, ValueError, TypeError):
+    except (asyncio.CancelledError, RolloutError):
         raise
-    except Exception as e:
+    except Exception as e:  # an env, the server or the tokenizer failed mid-rollout (ValueError included)
         raise RolloutError(f"group {key!r} failed: {type(e).__name__}: {e}") from e
     finally:
         client.release(key)

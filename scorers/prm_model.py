@@ -69,7 +69,10 @@ def load_tokenizer(tokenizer: Any) -> Any:
     if isinstance(tokenizer, str):
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(tokenizer)
+        try:
+            return Tokenizer.from_file(tokenizer)
+        except Exception as err:  # the tokenizers library does not name the file
+            raise ValueError(f"tokenizer={tokenizer!r} could not be loaded as a tokenizer.json: {err}") from None
     if not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(f"tokenizer must have encode(text) -> list[int] or be a tokenizer.json path, got {tokenizer!r}")
     return tokenizer

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, resume=bool(args.resume))
     except TrainError as e:
         print(f"error: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", ()):  # cleanup that failed after the error (the run stopped anyway)
+            print(f"note: {note}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; resume with --resume " + str(cfg.run_dir), file=sys.stderr)

@@ -53,7 +53,7 @@ from jaxprm.train.packed import learn_packed
 from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
-                                prepare_run_dir)
+                                prepare_run_dir, train_error)
 from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, step_inputs
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import evaluate
@@ -359,10 +359,14 @@ class _Job:
         if cfg.prm.active:
             try:
                 self.prm = await PRMRunner.create(adapters.prm_config(cfg))
-            except Exception as e:
-                raise TrainError(f"prm: could not build the scorers: {type(e).__name__}: {e}") from e
+            except Exception as e:  # the scorers built so far were closed (their failures are notes on e)
+                raise train_error(f"prm: could not build the scorers: {type(e).__name__}: {e}", e) from e
             self.cleanup.push("process-reward scorers", self.prm.aclose)  # closed first: scoring is drained by then
-        scorer = adapters.branch_scorer(cfg)
+        try:
+            scorer = adapters.branch_scorer(cfg)
+        except Exception as e:  # e.g. a PRM tokenizer file that is not there
+            raise train_error(f"rollout.branch_scorer: could not build {cfg.rollout.branch_scorer.path}: "
+                              f"{type(e).__name__}: {e}", e) from e
         if scorer is not None:
             self.cleanup.push("branch scorer", scorer.aclose)
         self.agents = None
@@ -433,5 +437,5 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=None) -> Summary:
         raise
     try:
         return asyncio.run(job.run())
-    except (GenerationError, RolloutError) as e:
-        raise TrainError(" ".join(str(e).split())) from e
+    except (GenerationError, RolloutError) as e:  # one line, as the trainer's other errors; cleanup notes kept
+        raise train_error(str(e), e) from e

@@ -19,11 +19,20 @@ from jaxprm.train.resume import check_resume
 from jaxprm.train.rundir import RunDirBusy, RunDirLock
 
 __all__ = ["TrainError", "Cleanup", "TaskStream", "init_distributed", "load_policy", "lock_run_dir",
-           "prepare_run_dir"]
+           "prepare_run_dir", "train_error"]
 
 
 class TrainError(RuntimeError):
     """A run could not start or continue (bad model path, unreachable server, bad run dir ...)."""
+
+
+def train_error(message: str, cause: BaseException) -> TrainError:
+    """A one-line :class:`TrainError` for ``cause`` (whitespace runs folded), carrying its notes
+    (e.g. cleanup that failed after it); raise it ``from cause``."""
+    err = TrainError(" ".join(message.split()))
+    for note in getattr(cause, "__notes__", ()):
+        err.add_note(note)
+    return err
 
 
 def init_distributed(cfg: TrainConfig) -> None:
@@ -141,8 +150,15 @@ class Cleanup:
 
     def _report(self, failures: list[tuple[str, Exception]], error: BaseException | None) -> None:
         for name, e in failures:
-            msg = f"closing the {name} failed: {type(e).__name__}: {e}"
+            msg = f"closing the {name} failed: {_describe(e)}"
             if error is not None:
                 error.add_note(msg)
             else:
                 self.log(f"warning: {msg}")
+
+
+def _describe(e: BaseException) -> str:
+    """``Type: message``; an exception group (e.g. several scorers failed to close) lists its members."""
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_describe(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"

@@ -1,13 +1,14 @@
 """Concat export: rows reproduce the sampled tokens and logprobs exactly, masks/turns/rewards, buckets."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
 
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, make_tasks
-from rollout.export import export_groups, leaf_row
+from rollout.export import export_groups, filter_groups, leaf_row
 from rollout.stats import describe_groups
 from rollout.testing import ServerScript, frozenlake_policy
 from rollout.tree import TreeConfig, run_groups
@@ -130,3 +131,37 @@ def test_describe_groups(groups):
     assert d["trajectories"] == 18 and 0 <= d["success_rate"] <= 1
     assert d["sampled_actions"] == sum(len(g.tree) for g in groups)
     assert sum(c["expanded"] for c in d["per_checkpoint"]) == d["expanded"]
+
+
+def _relabel(group, rewards, truncated):
+    """``group`` with its leaves' outcome rewards and truncation flags replaced (first leaves first)."""
+    leaves = [dataclasses.replace(lf, outcome_reward=r, truncated=t)
+              for lf, r, t in zip(group.leaves, rewards, truncated, strict=False)]
+    return dataclasses.replace(group, leaves=leaves + group.leaves[len(leaves):])
+
+
+def test_group_filters_follow_the_reference_rule_and_record_its_counters(groups):
+    g = groups[0]
+    n = len(g.leaves)
+    assert n >= 3
+    eos = [False] * n
+    # mixed: a success that was truncated and failures that ended with EOS (the _mask_no_eos variant
+    # used to drop the truncated success and reject the group)
+    mixed = _relabel(g, [1.0] + [0.0] * (n - 1), [True] + eos[1:])
+    # all wrong; the only negative process reward sits on a truncated sample
+    penalized = _relabel(g, [0.0] * n, [True] + eos[1:])
+    pen_rewards = {lf.leaf_id: {"t": np.array([-0.5 if i == 0 else 0.0, 0.0], np.float32)}
+                   for i, lf in enumerate(penalized.leaves)}
+    perfect = _relabel(g, [1.0] * n, eos)
+    todo = [mixed, penalized, perfect]
+    rewards = [None, pen_rewards, None]
+    counters: dict = {}
+    kept, kept_r = filter_groups(todo, rewards, "mixed_or_penalized_all_wrong", counters)
+    assert kept == [mixed, penalized] and kept_r == [None, pen_rewards]
+    assert counters == {"accepted_mixed": 1, "accepted_penalized_all_wrong": 1, "rejected_by_all_correct": 1,
+                        "rejected_by_all_wrong": 0, "rejected_by_failed_or_perfect": 1}
+    counters = {}
+    kept, _ = filter_groups(todo, rewards, "mixed_or_penalized_all_wrong_mask_no_eos", counters)
+    assert kept == [mixed]  # the truncated sample's penalty does not count in the all-wrong test
+    assert counters == {"accepted_mixed": 1, "accepted_penalized_all_wrong": 0, "rejected_by_all_correct": 1,
+                        "rejected_by_all_wrong": 1, "rejected_by_failed_or_perfect": 2}

@@ -113,14 +113,18 @@ def test_process_rewards_score_exactly_the_exported_leaves(serve, prompts):
     from scorers import PRMRunner
 
     class Recorder(BaseScorer):
+        """0.1 per turn; fails on the branches ending at ``fail_on``."""
+
         name = "recorder"
 
-        def __init__(self):
+        def __init__(self, fail_on):
             super().__init__()
-            self.leaves = set()
+            self.leaves, self.fail_on = set(), set(fail_on)
 
         async def evaluate(self, interaction, ctx):
             self.leaves.add(ctx["leaf_id"])
+            if ctx["leaf_id"] in self.fail_on:
+                raise RuntimeError("a dropped branch cannot be scored")
             return 0.1
 
     srv = serve()
@@ -128,12 +132,14 @@ def test_process_rewards_score_exactly_the_exported_leaves(serve, prompts):
                      refill=False, group_mode="best_n", sampling=SAMPLING)
     g = run(_group(srv.url, cfg, scorer=TableScorer({("b1", 2): 0.0, ("b2", 2): 0.9, ("b3", 2): 0.9}),
                    prompts=prompts))
-    rec = Recorder()
-    scored = run(score_groups(PRMRunner(None, scorers=[rec]), [g]))
     exported = {lf.leaf_id for lf in g.leaves}
-    assert rec.leaves == exported and set(scored.rewards[0]) == exported
-    assert {lf.leaf_id for lf in g.all_leaves} - exported  # the pruned branch was neither scored nor counted
-    assert scored.metrics.summary()["rollout/prm_trajectory_reward/recorder"] > 0
+    dropped = {lf.leaf_id for lf in g.all_leaves} - exported
+    assert dropped  # best_n dropped the pruned branch
+    rec = Recorder(fail_on=dropped)
+    scored = run(score_groups(PRMRunner(None, scorers=[rec]), [g]))
+    # only the exported leaves were scored: a scorer that fails on the dropped branch does not reject the group
+    assert rec.leaves == exported and not scored.rejected and set(scored.rewards[0]) == exported
+    assert scored.metrics.summary()["rollout/prm_trajectory_reward/recorder"] == pytest.approx(0.1 * 4)
 
 
 def test_max_branches_caps_live_plus_finished(serve, prompts):
@@ -268,6 +274,28 @@ def test_failure_fails_the_group_and_cancels_siblings(serve, tok, prompts):
         return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
 
     assert run(go()) == set()
+
+
+class _BrokenEnv(StepEnv):
+    """Its second step raises a ValueError (an env bug mid-rollout)."""
+
+    async def step(self, text):
+        if self.turn >= 1:
+            raise ValueError("env bug")
+        return await super().step(text)
+
+    def clone(self):
+        c = _BrokenEnv(self.end_at)
+        c.turn = self.turn
+        return c
+
+
+def test_an_error_of_any_type_mid_rollout_is_a_rollout_error(serve, prompts):
+    # (what the trainer turns into its one-line error; a ValueError used to escape as itself)
+    srv = serve()
+    cfg = TreeConfig(strategy="flat", group_size=2, max_turns=3, sampling=SAMPLING)
+    with pytest.raises(RolloutError, match="group 'g0' failed: ValueError: env bug"):
+        run(_group(srv.url, cfg, env_factory=_BrokenEnv, prompts=prompts))
 
 
 def test_bad_scores_are_rejected(serve, prompts):

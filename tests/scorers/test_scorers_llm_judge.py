@@ -223,6 +223,7 @@ def test_constructor_validation(server):
      # braces inside the object (judges of code quote them) and nested objects
      ('Rating: {"score": 0.6, "reason": "edits the {tz} branch"}', 0.6),
      ('{"verdict": {"score": 0.3, "why": "ok"}} done', 0.3),
+     ('Verdict: {"score": 0.7, "evidence": {"file": "tz.py", "line": 3}}', 0.7),
      ('I considered {foo} then answered {"score": 0.9}', 0.9)],
 )
 def test_parse_judge_score(content, expected):
