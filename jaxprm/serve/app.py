@@ -1,11 +1,12 @@
 """The FastAPI application: OpenAI / vLLM / SGLang compatible endpoints over the generation ``Engine``.
 
 This module only wires the server together: the lifespan (the engine starts and stops with the
-app), the middleware (body-size limit, API key), the error handlers, ``/health`` and ``/metrics``
-(Prometheus text format, ``jaxprm.serve.metrics``). The
-routes live in one router per dialect (``jaxprm.serve.openai_routes``,
-``jaxprm.serve.sglang_routes``) over the shared request handling of ``jaxprm.serve.serving``;
-request bodies are in ``jaxprm.serve.protocol`` and errors in ``jaxprm.serve.errors``.
+app), the middleware (body-size limit, API key, unexpected errors), the error handlers, the OpenAPI
+document (``/openapi.json``, ``jaxprm.serve.openapi``), ``/health`` and ``/metrics`` (Prometheus
+text format, ``jaxprm.serve.metrics``). The routes live in one router per dialect
+(``jaxprm.serve.openai_routes``, ``jaxprm.serve.sglang_routes``) over the shared request handling
+of ``jaxprm.serve.serving``; request bodies are in ``jaxprm.serve.protocol``, response bodies in
+``jaxprm.serve.responses`` and errors in ``jaxprm.serve.errors``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from jaxprm.serve.errors import APIError, LimitsMiddleware, install_error_handlers
+from jaxprm.serve.errors import APIError, CatchAllMiddleware, LimitsMiddleware, install_error_handlers
 from jaxprm.serve.metrics import CONTENT_TYPE_LATEST
 from jaxprm.serve.openai_routes import openai_router
+from jaxprm.serve.openapi import errors, install_openapi
+from jaxprm.serve.responses import Health
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.serving import ServeConfig, Serving
 from jaxprm.serve.sglang_routes import sglang_router
@@ -57,13 +60,18 @@ def create_app(
     app = FastAPI(title="jaxprm generation server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = srv
     app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
+    app.add_middleware(CatchAllMiddleware)  # outermost: a 500 keeps the connection
     install_error_handlers(app)
+    install_openapi(app, api_key=config.api_key is not None)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+              "description": "Prometheus text format"}, **errors(500)})
     async def metrics():
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "engine stopped"},
+                                                          **errors(500)})
     async def health():
         ok = srv.engine.running
         return JSONResponse({"status": "ok" if ok else "engine stopped", "weight_version": srv.sampler.weight_version},
