@@ -217,8 +217,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405 and headers and "Allow" in headers:
-            msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {headers['Allow']})"
-            return error_response(405, msg, headers=headers)
+            allow = ", ".join(sorted(m.strip() for m in headers["Allow"].split(",")))
+            msg = f"method {request.method} is not allowed on {request.url.path} (allowed: {allow})"
+            return error_response(405, msg, headers={**headers, "Allow": allow})
         return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)

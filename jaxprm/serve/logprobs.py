@@ -3,8 +3,9 @@
 ``"raw"`` is the model's log-softmax at temperature 1, ``"processed"`` the log-prob under the
 distribution the token was sampled from (``jaxprm.serve.sampler``). Under top-k / top-p a top-n
 alternative outside the kept set has processed log-prob ``-inf``, which JSON cannot carry; like
-vLLM, every reported log-prob is floored at :data:`LOGPROB_FLOOR` (``-9999.0``; a NaN, which a
-finite model never produces, is reported as the floor too).
+vLLM, every reported log-prob is floored at :data:`LOGPROB_FLOOR` (``-9999.0``). Values are kept
+in ``[LOGPROB_FLOOR, 0]``: a NaN or a positive value (numerical breakdown, e.g. logits that
+overflow) is reported as the floor or 0, never as a non-number.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ LOGPROB_FLOOR = -9999.0
 
 
 def finite_logprob(x: float) -> float:
-    """``max(x, LOGPROB_FLOOR)`` as a float; NaN gives the floor."""
+    """``min(max(x, LOGPROB_FLOOR), 0)`` as a float; NaN gives the floor."""
     x = float(x)
-    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False: the floor
+    if not x >= LOGPROB_FLOOR:  # NaN compares False: the floor
+        return LOGPROB_FLOOR
+    return x if x <= 0.0 else 0.0
 
 
 def select_logprobs(raw: Sequence[float], processed: Sequence[float],

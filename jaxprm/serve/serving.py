@@ -29,7 +29,7 @@ from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
 from jaxprm.serve.weights import resolve_roots
 
-__all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K"]
+__all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
 
 
 @dataclasses.dataclass
@@ -340,14 +340,19 @@ async def _disconnected(request: Request) -> None:
 #: Largest ``top_k`` passed on: any ``top_k`` at or above the vocabulary size keeps every token, so
 #: larger values (which do not fit the sampler's int32 arrays) mean the same and are clamped.
 MAX_TOP_K = 2**31 - 1
+#: Temperatures below this are greedy (as in vLLM): ``logits / T`` overflows float32 long before
+#: ``T`` reaches 0, and the limit of the sampling distribution is the argmax anyway.
+GREEDY_BELOW = 1e-5
 
 
 def sampling_params(*, max_tokens: int, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, top_logprobs) -> SamplingParams:
     """The engine's ``SamplingParams`` of a request's fields (``None``: the neutral value; ``top_k``
-    below 1 disables it, above :data:`MAX_TOP_K` is clamped)."""
+    below 1 disables it, above :data:`MAX_TOP_K` is clamped; a temperature below
+    :data:`GREEDY_BELOW` is greedy)."""
+    temperature = 1.0 if temperature is None else float(temperature)
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if top_p is None else float(top_p),
         top_k=0 if top_k is None or top_k < 0 else min(int(top_k), MAX_TOP_K),
         seed=seed,
