@@ -27,7 +27,14 @@ from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.serving import ServeConfig, Serving
 from jaxprm.serve.sglang_routes import sglang_router
 
-__all__ = ["ServeConfig", "APIError", "create_app"]
+__all__ = ["ServeConfig", "APIError", "create_app", "API_DESCRIPTION"]
+
+API_DESCRIPTION = (
+    "OpenAI / vLLM and SGLang compatible generation. Request types are strict: an `integer` is a JSON "
+    "integer written without a fraction or exponent (`1`, not `1.0`), a `number` any JSON number, booleans "
+    "and strings are never converted, and every string must be valid Unicode (no lone surrogate escapes). "
+    "Errors are `{\"error\": {message, type, param, code}}` with status 400 for invalid requests. Reported "
+    "log-probs lie in [-9999, 0] (-9999 stands for -inf: a token that top-k / top-p excluded).")
 
 
 def create_app(
@@ -57,7 +64,8 @@ def create_app(
         finally:
             srv.engine.stop()
 
-    app = FastAPI(title="jaxprm generation server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="jaxprm generation server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description=API_DESCRIPTION)
     app.state.server = srv
     app.add_middleware(LimitsMiddleware, max_body_bytes=config.max_body_bytes, api_key=config.api_key)
     app.add_middleware(CatchAllMiddleware)  # outermost: a 500 keeps the connection

@@ -184,7 +184,7 @@ def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **template_vars)
     except Exception as exc:  # template errors are the request's fault
         raise APIError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from exc
-    return srv.encode_many([rendered], add_special_tokens=False)[0]
+    return srv.encode_many([rendered], add_special_tokens=False, param="messages")[0]
 
 
 def openai_router(srv: Serving) -> APIRouter:

@@ -144,17 +144,26 @@ class Serving:
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_many(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
-        """Token ids of each text; the batch call of the tokenizer releases the GIL while it works."""
-        batch = getattr(self.tokenizer, "encode_batch", None)
-        if batch is None:
-            return [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
-        return [list(ids) for ids in batch(list(texts), add_special_tokens=add_special_tokens)]
+    def encode_many(self, texts: Sequence[str], *, add_special_tokens: bool, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text; a text too long for the context is a 400 (``check_prompt_length``)
+        before its ids are turned into Python ints. With a Hugging Face ``tokenizers`` backend
+        (``jaxprm.models.Tokenizer.backend``) the batch call releases the GIL while it works."""
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "encode_batch"):
+            out = [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+            for ids in out:
+                self.check_prompt_length(len(ids), param=param)
+            return out
+        encodings = backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        for enc in encodings:
+            self.check_prompt_length(len(enc), param=param)
+        return [list(enc.ids) for enc in encodings]
 
-    async def encode_async(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+    async def encode_async(self, texts: Sequence[str], *, add_special_tokens: bool, param: str = "prompt"
+                           ) -> list[list[int]]:
         """``encode_many`` in a worker thread: a long prompt (megabytes of text) is tokenized off the
         event loop, so other requests (``/health``) are answered meanwhile."""
-        return await asyncio.to_thread(self.encode_many, texts, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.encode_many, texts, add_special_tokens=add_special_tokens, param=param)
 
     # validation --------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -163,13 +172,17 @@ class Serving:
             raise APIError(f"The model `{shown}` does not exist. Served: `{self.config.model_name}`.",
                            status=404, param="model", type="NotFoundError")
 
+    def check_prompt_length(self, n: int, *, param: str) -> None:
+        """A 400 when a prompt of ``n`` tokens leaves no room to generate."""
+        ctx = self.sampler.max_context
+        if n >= ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens; the prompt has {n} "
+                           f"tokens, which leaves no room to generate.", param=param)
+
     def check_prompt_ids(self, ids: Sequence[int], *, param: str) -> None:
         if len(ids) == 0:
             raise APIError("prompt is empty", param=param)
-        ctx = self.sampler.max_context
-        if len(ids) >= ctx:  # before the vocabulary scan: a huge prompt is refused at once
-            raise APIError(f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)} "
-                           f"tokens, which leaves no room to generate.", param=param)
+        self.check_prompt_length(len(ids), param=param)  # before the vocabulary scan: a huge prompt is refused at once
         V = self.sampler.vocab_size
         bad = [t for t in ids if not (0 <= int(t) < V)]
         if bad:

@@ -132,7 +132,7 @@ def sglang_router(srv: Serving) -> APIRouter:
             raise APIError("empty batch", param="input_ids" if req.input_ids is not None else "text")
         srv.check_n(spp.n, num_prompts)
         if ids_list is None:
-            ids_list = await srv.encode_async(texts, add_special_tokens=True)
+            ids_list = await srv.encode_async(texts, add_special_tokens=True, param="text")
         for ids in ids_list:
             srv.check_prompt_ids(ids, param="input_ids" if req.input_ids is not None else "text")
         max_new = srv.resolve_max_tokens(spp.max_new_tokens, [len(x) for x in ids_list],
