@@ -26,7 +26,7 @@ from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineFuture, Ro
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.metrics import EngineMetrics
-from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
+from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, Completion, Sampler, SamplingParams
 from jaxprm.serve.weights import resolve_roots
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
@@ -223,6 +223,8 @@ class Serving:
 
     def check_stop_token_ids(self, ids: Sequence[int] | None, *, param: str = "stop_token_ids") -> tuple[int, ...]:
         ids = tuple(int(t) for t in (ids or ()))
+        if len(set(ids)) > MAX_STOP_TOKEN_IDS:  # (with the EOS ids the engine checks the total again)
+            raise APIError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(set(ids))}", param=param)
         V = self.sampler.vocab_size
         bad = [t for t in ids if not (0 <= t < V)]
         if bad:
