@@ -64,7 +64,7 @@ def fuzz(url: str, *, max_examples: int, seed: int = 0, headers: dict[str, str] 
             session.post(url + "/continue_generation", headers=headers, timeout=timeout_s).raise_for_status()
         try:
             case.validate_response(response, checks=checks, headers=headers)
-        except Exception as exc:  # a FailureGroup: recorded, and the run goes on
+        except (Exception, BaseExceptionGroup) as exc:  # schemathesis' FailureGroup: recorded, the run goes on
             first = str(exc).strip().splitlines()
             failures.append(f"{name} -> {response.status_code}: {' | '.join(first[:6])}"[:600])
 

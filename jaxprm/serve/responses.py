@@ -26,9 +26,12 @@ __all__ = [
     "UpdateWeightsFailure",
 ]
 
-#: The OpenAPI ``content`` entry of a streamed answer (server-sent events).
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "server-sent events "
-                                                 "(`data: {json}` lines, then `data: [DONE]`)"}}}
+#: The OpenAPI ``content`` entry of a streamed answer: the schema is that of each server-sent event
+#: (as OpenAPI 3.2's ``itemSchema``): its ``data`` is one JSON chunk, or ``[DONE]`` at the end.
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event is `[DONE]`"}},
+    "description": "one server-sent event (`data: ...`)"}}}
 
 
 def _no_null_defaults(schema: dict[str, Any]) -> None:

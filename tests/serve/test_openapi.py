@@ -107,6 +107,37 @@ def fuzz_server(server, tiny):
         yield h
 
 
+RICH = [  # every optional part of the answers: token ids, log-probs, alternatives, batches, streams
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "n": 2, "logprobs": 3, "return_token_ids": True,
+                         "top_k": 2, "stop": ["x"], "echo": False, "seed": 1}),
+    ("/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 2, "return_tokens_as_token_ids": True,
+                         "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                              "return_token_ids": True, "top_p": 0.5}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "n": 2, "stream": True, "logprobs": True,
+                              "stream_options": {"include_usage": True}}),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+                   "sampling_params": {"max_new_tokens": 3, "top_k": 1, "stop": "z"}}),
+    ("/generate", {"input_ids": [[5, 6], [7]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}),
+    ("/generate", {"text": "hi", "stream": True, "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}),
+]
+
+
+def test_rich_answers_conform_to_the_document(fuzz_server):
+    """Answers with every optional field conform (schemathesis' checks; streamed events included)."""
+    import schemathesis
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+    for path, body in RICH:
+        case = schema[path]["POST"].Case(body=body, media_type="application/json")
+        response = case.call(base_url=fuzz_server.url, timeout=120)
+        assert response.status_code == 200, response.text
+        case.validate_response(response, checks=[status_code_conformance, content_type_conformance,
+                                                 response_schema_conformance])
+
+
 def test_schemathesis_finds_no_server_error(fuzz_server):
     from benchmarks.fuzz_server import fuzz
 
