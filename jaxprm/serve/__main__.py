@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs-mode", choices=("processed", "raw"), default="processed",
                    help="processed: under the sampling distribution; raw: the policy at temperature 1")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-request-tokens", type=int, default=32768,
+                   help="most tokens of work per request: rows (n x prompts) x (prompt tokens + max_tokens); "
+                        "beyond it a 400 (0: no limit)")
     p.add_argument("--decode-loop", choices=("device", "host"), default="device",
                    help="decode loop of the static sampler (Sampler.generate); the server uses the engine")
     p.add_argument("--log-level", default="info")
@@ -69,6 +72,7 @@ def main(argv=None) -> None:
                       max_batch=args.max_batch, max_context=args.max_context, loop=args.decode_loop, dtype=args.dtype)
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                         max_request_tokens=args.max_request_tokens or None,
                          logprobs_mode=args.logprobs_mode, collect_window_s=args.batch_window_ms / 1000.0,
                          max_collect_s=args.max_batch_wait_ms / 1000.0, max_batch=args.max_batch,
                          kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), block_size=args.block_size,

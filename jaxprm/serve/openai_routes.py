@@ -18,6 +18,7 @@ adds a last chunk with ``usage``); stop strings are applied while streaming (see
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -26,7 +27,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from jaxprm.serve.errors import APIError
+from jaxprm.serve.openapi import errors
 from jaxprm.serve.protocol import ChatCompletionRequest, CompletionRequest
+from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, CompletionResponse, ModelList
 from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
@@ -152,7 +155,8 @@ def _stream_response(events) -> StreamingResponse:
 
 
 def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of a chat request (chat template, tools, ``continue_final_message``)."""
+    """The prompt token ids of a chat request (chat template, tools, ``continue_final_message``);
+    runs in a worker thread (long content is rendered and tokenized off the event loop)."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -180,7 +184,7 @@ def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **template_vars)
     except Exception as exc:  # template errors are the request's fault
         raise APIError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from exc
-    return srv.encode(rendered, add_special_tokens=False)
+    return srv.encode_many([rendered], add_special_tokens=False, param="messages")[0]
 
 
 def openai_router(srv: Serving) -> APIRouter:
@@ -188,7 +192,7 @@ def openai_router(srv: Serving) -> APIRouter:
     router = APIRouter()
     config = srv.config
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=ModelList, responses=errors(500))
     async def models():
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": srv.created, "owned_by": "jaxprm",
@@ -196,7 +200,11 @@ def openai_router(srv: Serving) -> APIRouter:
             "weight_version": srv.sampler.weight_version,
         }]}
 
-    @router.post("/v1/completions")
+    generation_errors = errors(400, 404, 413, 500, 503, 504)
+
+    @router.post("/v1/completions", response_model=CompletionResponse, response_model_exclude_unset=True,
+                 responses={200: {"content": EVENT_STREAM, "description": "a completion (stream: events)"},
+                            **generation_errors})
     async def completions(req: CompletionRequest, raw: Request):
         srv.check_model(req.model)
         srv.check_unsupported(req)
@@ -219,12 +227,13 @@ def openai_router(srv: Serving) -> APIRouter:
             texts, ids_list = list(p), None
         else:
             texts, ids_list = None, [list(x) for x in p]
+        srv.check_n(req.n, len(ids_list) if ids_list is not None else len(texts))
         if ids_list is None:
-            ids_list = [srv.encode(t, add_special_tokens=True) for t in texts]
+            ids_list = await srv.encode_async(texts, add_special_tokens=True)
         for ids in ids_list:
             srv.check_prompt_ids(ids, param="prompt")
-        srv.check_n(req.n, len(ids_list))
-        max_tokens = srv.resolve_max_tokens(req.max_tokens, [len(x) for x in ids_list], param="max_tokens")
+        max_tokens = srv.resolve_max_tokens(req.max_tokens, [len(x) for x in ids_list], param="max_tokens",
+                                            copies=req.n)
         stops = srv.check_stop_strings(req.stop)
         sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                              seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
@@ -263,7 +272,9 @@ def openai_router(srv: Serving) -> APIRouter:
             "weight_version": min(c.weight_version for c in results),
         }
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_unset=True,
+                 responses={200: {"content": EVENT_STREAM, "description": "a chat completion (stream: events)"},
+                            **generation_errors})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         srv.check_model(req.model)
         srv.check_unsupported(req)
@@ -274,12 +285,12 @@ def openai_router(srv: Serving) -> APIRouter:
             raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}", param="top_logprobs")
         if top_n and not req.logprobs:
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-        prompt_ids = _render_chat(srv, req)
-        srv.check_prompt_ids(prompt_ids, param="messages")
         srv.check_n(req.n, 1)
+        prompt_ids = await asyncio.to_thread(_render_chat, srv, req)
+        srv.check_prompt_ids(prompt_ids, param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = srv.resolve_max_tokens(requested, [len(prompt_ids)], param=param)
+        max_tokens = srv.resolve_max_tokens(requested, [len(prompt_ids)], param=param, copies=req.n)
         stops = srv.check_stop_strings(req.stop)
         sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                              seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),

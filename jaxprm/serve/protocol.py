@@ -3,13 +3,20 @@
 Unknown fields are ignored (as vLLM does), so clients written for vLLM or SGLang work unchanged;
 fields that change the output in ways this server does not implement (``best_of``, penalties
 other than the neutral value, ``echo`` with logprobs) are rejected with a 400 by the app.
+
+Types are strict (what the OpenAPI document says is what is accepted): an integer field takes
+only JSON integers (not ``1.0``, ``true`` or ``"1"``), a number field integers or floats, a string
+field only strings, and every string of a body (keys, prompts, chat content, names, ``rid``) must
+be valid Unicode: a JSON escape of a lone UTF-16 surrogate (``"\\ud800"``) is a 400 naming where it
+is (:class:`TextError`), checked once per body (:func:`check_text`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "CompletionRequest",
@@ -20,6 +27,8 @@ __all__ = [
     "UpdateWeightsFromDiskRequest",
     "PauseGenerationRequest",
     "LogprobsMode",
+    "TextError",
+    "check_text",
 ]
 
 TokenId = int
@@ -27,11 +36,77 @@ LogprobsMode = Literal["raw", "processed"]
 _MAX_SEED = 2**63 - 1
 
 
+class TextError(ValueError):
+    """A string of a request body that is not valid Unicode; ``param`` is its dotted location."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def _loc(path: list) -> str:
+    return ".".join(str(p) if isinstance(p, int) else p.encode("utf-8", "backslashreplace").decode()
+                    for p in path) or "body"
+
+
+def _first_bad_string(data: Any) -> tuple[list, str] | None:
+    """``(path, string)`` of the first string (or key) of ``data`` that UTF-8 cannot encode."""
+    stack: list[tuple[list, Any]] = [([], data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path, x
+        elif isinstance(x, dict):
+            for k, v in reversed(list(x.items())):
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return [*path, k], k
+                stack.append(([*path, k], v))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(([*path, i], v) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+def check_text(data: Any) -> None:
+    """Raise :class:`TextError` if any string or key in ``data`` (a decoded JSON body) holds a lone
+    surrogate. One C-speed pass (``json.dumps`` + UTF-8 encode) over the body; the location is
+    searched only when it fails."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError, RecursionError):  # not JSON data (an in-process caller): walk it
+        pass
+    found = _first_bad_string(data)
+    if found is None:
+        return
+    path, text = found
+    bad = next(i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF)
+    raise TextError(f"{_loc(path)}: not valid Unicode: lone surrogate \\u{ord(text[bad]):04x} at character {bad} "
+                    "(a JSON \\uD800-\\uDFFF escape must be half of a surrogate pair)", _loc(path) if path else None)
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
-class _Sampling(_Base):
+class _Body(_Base):
+    """A whole request body: its strings are checked once (``check_text``) before validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_text(data)
+        return data
+
+
+class _Sampling(_Body):
     """Sampling fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
@@ -71,7 +146,7 @@ class ChatMessage(_Base):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -107,7 +182,7 @@ class SGLangSamplingParams(_Base):
     repetition_penalty: float | None = None
 
 
-class GenerateRequest(_Base):
+class GenerateRequest(_Body):
     """SGLang-style ``POST /generate``: ``text`` or ``input_ids`` (single or batched)."""
 
     text: str | list[str] | None = None
@@ -122,7 +197,7 @@ class GenerateRequest(_Base):
     logprobs_mode: LogprobsMode | None = None
 
 
-class UpdateWeightsFromDiskRequest(_Base):
+class UpdateWeightsFromDiskRequest(_Body):
     """SGLang-style ``POST /update_weights_from_disk``."""
 
     model_path: str
@@ -130,7 +205,7 @@ class UpdateWeightsFromDiskRequest(_Base):
     weight_version: int | str | None = None
 
 
-class PauseGenerationRequest(_Base):
+class PauseGenerationRequest(_Body):
     """SGLang-style ``POST /pause_generation``: ``abort`` ends every running and waiting request now
     (finish reason ``abort``, the tokens so far); ``in_place`` keeps them, with their KV, until
     ``/continue_generation``."""

@@ -136,6 +136,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not (-(2**31) <= int(self.top_k) < 2**31):  # it goes into int32 arrays; >= vocab keeps all anyway
+            raise ValueError(f"top_k must fit in int32 (any value >= the vocabulary size keeps all), got {self.top_k}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 

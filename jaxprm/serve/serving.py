@@ -24,11 +24,12 @@ from starlette.requests import Request
 
 from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineFuture, RowDelta
 from jaxprm.serve.errors import APIError
+from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.metrics import EngineMetrics
-from jaxprm.serve.sampler import Completion, Sampler, SamplingParams
+from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, Completion, Sampler, SamplingParams
 from jaxprm.serve.weights import resolve_roots
 
-__all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params"]
+__all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
 
 
 @dataclasses.dataclass
@@ -40,6 +41,10 @@ class ServeConfig:
       api_key: if set, every endpoint but ``/health`` requires ``Authorization: Bearer <api_key>``.
       max_body_bytes: larger request bodies get 413.
       max_n: largest ``n`` per prompt; ``max_rows_per_request`` caps ``n * number of prompts``.
+      max_request_tokens: most tokens of work per request, summed over its rows: ``prompt tokens +
+        max_tokens`` per row (``None``: no limit). A request beyond it is a 400; one without
+        ``max_tokens`` gets at most what fits. It bounds how long one request holds decode rows
+        that later requests wait for (admission is first come, first served).
       default_max_tokens: chat / default cap when the request gives none (``None``: rest of context).
       logprobs_mode: ``"processed"`` (sampling distribution) or ``"raw"`` (temperature-1 policy).
       request_timeout_s: a request waiting longer for generation gets 504.
@@ -63,6 +68,7 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_n: int = 64
     max_rows_per_request: int = 256
+    max_request_tokens: int | None = 32768
     default_max_tokens: int | None = None
     logprobs_mode: str = "processed"
     request_timeout_s: float = 600.0
@@ -85,7 +91,8 @@ class ServeConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (None serves without a key)")
         self.weights_roots = resolve_roots(self.weights_roots)
-        for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes"):
+        for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes",
+                    "max_request_tokens"):
             if getattr(self, key) is not None and int(getattr(self, key)) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.kv_cache_tokens is not None and int(self.kv_cache_tokens) < self.block_size:
@@ -137,34 +144,68 @@ class Serving:
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_many(self, texts: Sequence[str], *, add_special_tokens: bool, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text; a text too long for the context is a 400 (``check_prompt_length``)
+        before its ids are turned into Python ints. With a Hugging Face ``tokenizers`` backend
+        (``jaxprm.models.Tokenizer.backend``) the batch call releases the GIL while it works."""
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is None or not hasattr(backend, "encode_batch"):
+            out = [self.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+            for ids in out:
+                self.check_prompt_length(len(ids), param=param)
+            return out
+        encodings = backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        for enc in encodings:
+            self.check_prompt_length(len(enc), param=param)
+        return [list(enc.ids) for enc in encodings]
+
+    async def encode_async(self, texts: Sequence[str], *, add_special_tokens: bool, param: str = "prompt"
+                           ) -> list[list[int]]:
+        """``encode_many`` in a worker thread: a long prompt (megabytes of text) is tokenized off the
+        event loop, so other requests (``/health``) are answered meanwhile."""
+        return await asyncio.to_thread(self.encode_many, texts, add_special_tokens=add_special_tokens, param=param)
+
     # validation --------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
-            raise APIError(f"The model `{name}` does not exist. Served: `{self.config.model_name}`.",
+            shown = name if len(name) <= 200 else name[:200] + "..."
+            raise APIError(f"The model `{shown}` does not exist. Served: `{self.config.model_name}`.",
                            status=404, param="model", type="NotFoundError")
+
+    def check_prompt_length(self, n: int, *, param: str) -> None:
+        """A 400 when a prompt of ``n`` tokens leaves no room to generate."""
+        ctx = self.sampler.max_context
+        if n >= ctx:
+            raise APIError(f"This model's maximum context length is {ctx} tokens; the prompt has {n} "
+                           f"tokens, which leaves no room to generate.", param=param)
 
     def check_prompt_ids(self, ids: Sequence[int], *, param: str) -> None:
         if len(ids) == 0:
             raise APIError("prompt is empty", param=param)
+        self.check_prompt_length(len(ids), param=param)  # before the vocabulary scan: a huge prompt is refused at once
         V = self.sampler.vocab_size
         bad = [t for t in ids if not (0 <= int(t) < V)]
         if bad:
             raise APIError(f"token ids out of vocabulary [0, {V}): {bad[:8]}", param=param)
-        ctx = self.sampler.max_context
-        if len(ids) >= ctx:
-            raise APIError(f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)} "
-                           f"tokens, which leaves no room to generate.", param=param)
 
-    def resolve_max_tokens(self, requested: int | None, prompt_lens: Sequence[int], *, param: str) -> int:
+    def resolve_max_tokens(self, requested: int | None, prompt_lens: Sequence[int], *, param: str,
+                           copies: int = 1) -> int:
+        """The output cap of every row: ``requested``, or when ``None`` the most that fits (context,
+        ``default_max_tokens``, ``max_request_tokens``); a 400 when it does not fit. The request's
+        rows are ``copies`` (``n``) of each prompt of ``prompt_lens``."""
         ctx = self.sampler.max_context
         room = ctx - max(prompt_lens)
         cap = min(room, self.sampler.new_token_buckets[-1])
+        rows = copies * len(prompt_lens)
+        limit = self.config.max_request_tokens
         if requested is None:
             value = cap if self.config.default_max_tokens is None else min(cap, self.config.default_max_tokens)
-            return max(1, value)
-        if requested < 1:
+            if limit is not None:
+                value = min(value, (limit - copies * sum(prompt_lens)) // rows)
+            requested = max(1, value)
+        elif requested < 1:
             raise APIError(f"{param} must be at least 1, got {requested}", param=param)
-        if requested > cap:
+        elif requested > cap:
             raise APIError(
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
                 f"{requested} output tokens and your prompt contains {max(prompt_lens)} tokens, "
@@ -172,10 +213,18 @@ class Serving:
                 f"fit). Please reduce the length of the prompt or {param}.",
                 param=param,
             )
+        work = copies * sum(prompt_lens) + rows * requested
+        if limit is not None and work > limit:
+            raise APIError(
+                f"This request asks for {work} tokens of work ({rows} rows x (prompt tokens + {param}={requested})), "
+                f"more than this server's per-request limit of {limit} (max_request_tokens); send fewer rows "
+                f"(n, prompts) or fewer tokens, in several requests if need be.", param=param)
         return int(requested)
 
     def check_stop_token_ids(self, ids: Sequence[int] | None, *, param: str = "stop_token_ids") -> tuple[int, ...]:
         ids = tuple(int(t) for t in (ids or ()))
+        if len(set(ids)) > MAX_STOP_TOKEN_IDS:  # (with the EOS ids the engine checks the total again)
+            raise APIError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(set(ids))}", param=param)
         V = self.sampler.vocab_size
         bad = [t for t in ids if not (0 <= t < V)]
         if bad:
@@ -303,24 +352,29 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+#: Largest ``top_k`` passed on: any ``top_k`` at or above the vocabulary size keeps every token, so
+#: larger values (which do not fit the sampler's int32 arrays) mean the same and are clamped.
+MAX_TOP_K = 2**31 - 1
+#: Temperatures below this are greedy (as in vLLM): ``logits / T`` overflows float32 long before
+#: ``T`` reaches 0, and the limit of the sampling distribution is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
+
 def sampling_params(*, max_tokens: int, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, top_logprobs) -> SamplingParams:
+    """The engine's ``SamplingParams`` of a request's fields (``None``: the neutral value; ``top_k``
+    below 1 disables it, above :data:`MAX_TOP_K` is clamped; a temperature below
+    :data:`GREEDY_BELOW` is greedy)."""
+    temperature = 1.0 if temperature is None else float(temperature)
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if temperature is None else float(temperature),
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if top_p is None else float(top_p),
-        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        top_k=0 if top_k is None or top_k < 0 else min(int(top_k), MAX_TOP_K),
         seed=seed,
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=bool(ignore_eos),
         top_logprobs=int(top_logprobs),
     )
-
-
-def _logprob_arrays(c: Completion, n_keep: int, mode: str):
-    lps = (c.logprobs if mode == "raw" else c.sampling_logprobs)[:n_keep]
-    col = 1 if mode == "raw" else 2
-    tops = None if c.top_logprobs is None else [[(t[0], t[col]) for t in pos] for pos in c.top_logprobs[:n_keep]]
-    return lps, tops
 
 
 def _finish_reason(c: Completion, matched: str | None, n_keep: int, eos_ids: Sequence[int]) -> tuple[str, Any]:
@@ -362,7 +416,7 @@ def build_choices(srv: Serving, results: Sequence[Completion], stops: Sequence[s
     for idx, c in enumerate(results):
         n_keep, text, matched = srv.cut_at_stop_strings(c, stops)
         reason, stop_reason = _finish_reason(c, matched, n_keep, eos)
-        lps, tops = _logprob_arrays(c, n_keep, mode)
+        lps, tops = select_logprobs(c.logprobs, c.sampling_logprobs, c.top_logprobs, mode, n_keep)
         out.append(Choice(index=idx, completion=c, token_ids=c.token_ids[:n_keep], text=text, finish_reason=reason,
                           stop_reason=stop_reason, logprobs=lps, top_logprobs=tops))
     return out

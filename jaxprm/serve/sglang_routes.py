@@ -25,8 +25,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from jaxprm.serve.errors import APIError
+from jaxprm.serve.errors import APIError, ErrorBody
+from jaxprm.serve.openapi import errors
 from jaxprm.serve.protocol import GenerateRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest
+from jaxprm.serve.responses import (EVENT_STREAM, ContinueResult, FlushResult, GenerateOutput, ModelInfo, PauseResult,
+                                    UpdateWeightsFailure, UpdateWeightsResult, WeightVersion)
 from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.weights import LOAD_FAILED, check_version_order, parse_version, weights_path
@@ -98,16 +101,18 @@ def sglang_router(srv: Serving) -> APIRouter:
     router = APIRouter()
     config = srv.config
 
-    @router.get("/get_weight_version")
+    @router.get("/get_weight_version", response_model=WeightVersion, responses=errors(500))
     async def get_weight_version():
         return {"weight_version": srv.sampler.weight_version}
 
-    @router.get("/get_model_info")
+    @router.get("/get_model_info", response_model=ModelInfo, responses=errors(500))
     async def get_model_info():
         return {"model_path": config.model_name, "is_generation": True, "max_context": srv.sampler.max_context,
                 "vocab_size": srv.sampler.vocab_size, "weight_version": srv.sampler.weight_version}
 
-    @router.post("/generate")
+    @router.post("/generate", response_model=GenerateOutput | list[GenerateOutput], response_model_exclude_unset=True,
+                 responses={200: {"content": EVENT_STREAM, "description": "one output, or a list (a batch or n > 1; "
+                                  "stream: events)"}, **errors(400, 413, 500, 503, 504)})
     async def generate(req: GenerateRequest, raw: Request):
         spp = req.sampling_params
         srv.check_unsupported(spp)
@@ -118,17 +123,20 @@ def sglang_router(srv: Serving) -> APIRouter:
         if req.text is not None:
             batched = isinstance(req.text, list)
             texts = req.text if batched else [req.text]
-            ids_list = [srv.encode(t, add_special_tokens=True) for t in texts]
+            ids_list = None
         else:
             batched = len(req.input_ids) > 0 and isinstance(req.input_ids[0], list)
-            ids_list = [list(x) for x in req.input_ids] if batched else [list(req.input_ids)]
-        if batched and not ids_list:
+            texts, ids_list = None, [list(x) for x in req.input_ids] if batched else [list(req.input_ids)]
+        num_prompts = len(texts) if texts is not None else len(ids_list)
+        if batched and not num_prompts:
             raise APIError("empty batch", param="input_ids" if req.input_ids is not None else "text")
+        srv.check_n(spp.n, num_prompts)
+        if ids_list is None:
+            ids_list = await srv.encode_async(texts, add_special_tokens=True, param="text")
         for ids in ids_list:
             srv.check_prompt_ids(ids, param="input_ids" if req.input_ids is not None else "text")
-        srv.check_n(spp.n, len(ids_list))
         max_new = srv.resolve_max_tokens(spp.max_new_tokens, [len(x) for x in ids_list],
-                                         param="sampling_params.max_new_tokens")
+                                         param="sampling_params.max_new_tokens", copies=spp.n)
         stops = srv.check_stop_strings(spp.stop)
         seed = spp.sampling_seed if spp.sampling_seed is not None else spp.seed
         top_n = req.top_logprobs_num if req.return_logprob else 0
@@ -160,23 +168,26 @@ def sglang_router(srv: Serving) -> APIRouter:
             outs.append({"text": ch.text, "output_ids": ids, "meta_info": meta})
         return outs if (batched or spp.n > 1) else outs[0]
 
-    @router.post("/pause_generation")
+    control_errors = errors(400, 413, 500, 503)
+
+    @router.post("/pause_generation", response_model=PauseResult, responses=control_errors)
     async def pause_generation(req: PauseGenerationRequest | None = None):
         req = req or PauseGenerationRequest()
         n = await asyncio.wrap_future(_engine_call(srv.engine.pause, req.mode))
         return {"success": True, "mode": req.mode, "num_aborted_requests": n}
 
-    @router.post("/continue_generation")
+    @router.post("/continue_generation", response_model=ContinueResult, responses=control_errors)
     async def continue_generation():
         await asyncio.wrap_future(_engine_call(srv.engine.resume))
         return {"success": True}
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.api_route("/flush_cache", methods=["GET", "POST"], response_model=FlushResult, responses=control_errors)
     async def flush_cache():
         n = await asyncio.wrap_future(_engine_call(srv.engine.flush_cache))
         return {"success": True, "num_flushed_blocks": n}
 
-    @router.post("/update_weights_from_disk")
+    @router.post("/update_weights_from_disk", response_model=UpdateWeightsResult,
+                 responses=errors(400, 403, 409, 413, 500, s400=ErrorBody | UpdateWeightsFailure))
     async def update_weights_from_disk(req: UpdateWeightsFromDiskRequest):
         version = parse_version(req.weight_version)  # the guards: jaxprm.serve.weights
         path = weights_path(req.model_path, config.weights_roots)

@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.sampler import Completion
 
 __all__ = ["RowText", "Piece", "pieces", "sse", "SSE_DONE", "SSE_HEADERS", "finish_of"]
@@ -122,7 +123,6 @@ async def pieces(deltas: AsyncIterator, num_rows: int, decode, stops: Sequence[s
     every row has finished; a row ended by a stop string ignores its later tokens."""
     rows = [RowText(decode, stops) for _ in range(num_rows)]
     closed = [False] * num_rows
-    col = 1 if mode == "raw" else 2
     async for d in deltas:
         if closed[d.row]:
             continue
@@ -131,9 +131,8 @@ async def pieces(deltas: AsyncIterator, num_rows: int, decode, stops: Sequence[s
         ended = st.done or d.completion is not None
         if ended and not st.done:
             text += st.finish()
-        lps = (d.logprobs if mode == "raw" else d.sampling_logprobs)[:kept]
-        tops = None if d.top_logprobs is None else [[(t[0], t[col]) for t in pos] for pos in d.top_logprobs[:kept]]
-        piece = Piece(d.row, text, list(d.token_ids[:kept]), list(lps), tops, list(d.versions[:kept]), list(st.tokens),
+        lps, tops = select_logprobs(d.logprobs, d.sampling_logprobs, d.top_logprobs, mode, kept)
+        piece = Piece(d.row, text, list(d.token_ids[:kept]), lps, tops, list(d.versions[:kept]), list(st.tokens),
                       d.cached_tokens)
         if ended:
             closed[d.row] = True

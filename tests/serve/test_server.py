@@ -227,6 +227,7 @@ def test_update_weights_in_process_and_from_disk(http, server, tiny, tmp_path):
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop token"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(100))}, 400, "at most 32 stop token ids"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
