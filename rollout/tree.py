@@ -50,6 +50,7 @@ from rollout.types import Interaction, InteractionTree, branch_messages
 from scorers import BaseScorer, ScoringRejected, score_branch
 
 __all__ = [
+    "request_seed",
     "TreeConfig",
     "LeafRecord",
     "CheckpointStats",
@@ -250,8 +251,14 @@ class _Branch:
                        origin=origin, lineage_len=self.lineage_len, score=self.score)
 
 
-def _seed(*parts: Any) -> int:
+def request_seed(*parts: Any) -> int:
+    """The sampling seed of one request: ``crc32(":".join(map(str, parts))) & 0x7FFFFFFF``. A tree
+    branch's turn uses ``(config seed, group seed, branch id, depth)``; the recording proxy's seeded
+    sessions use the same parts, so both paths sample a flat group alike."""
     return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+_seed = request_seed
 
 
 async def _gather(coros: Sequence[Any]) -> list[Any]:

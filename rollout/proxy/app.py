@@ -3,7 +3,7 @@
 Routes (``Authorization: Bearer <key>``; PROXY.md has the full table):
 
 =============================  =======  ===================================================================
-``POST /rl/start_session``     admin    ``{task_id, group_size=1, api_key?, group_id?}`` -> 201
+``POST /rl/start_session``     admin    ``{task_id, group_size=1, api_key?, group_id?, seed?}`` -> 201
                                         ``{group_id, sessions: [{session_id, session_api_key}]}``
 ``POST /v1/chat/completions``  session  OpenAI chat request (``stream`` allowed) -> OpenAI answer, recorded;
 (and ``/chat/completions``)             the admin key records into ``__hitl__``; no / an unknown key: 401
@@ -123,12 +123,13 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
         body = await _json(request)
         if not isinstance(body, dict):
             raise ProxyError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - {"task_id", "group_size", "api_key", "group_id"})
+        unknown = sorted(set(body) - {"task_id", "group_size", "api_key", "group_id", "seed"})
         if unknown:
-            raise ProxyError(400, f"unknown fields {unknown}; allowed: task_id, group_size, api_key, group_id",
+            raise ProxyError(400, f"unknown fields {unknown}; allowed: task_id, group_size, api_key, group_id, seed",
                              param=unknown[0])
         gid, sessions = proxy.start_session(body.get("task_id"), body.get("group_size", 1),
-                                            api_key=body.get("api_key"), group_id=body.get("group_id"))
+                                            api_key=body.get("api_key"), group_id=body.get("group_id"),
+                                            seed=body.get("seed"))
         out: dict[str, Any] = {"group_id": gid,
                                "sessions": [{"session_id": s.id, "session_api_key": s.api_key} for s in sessions]}
         if len(sessions) == 1:  # the v1 shape
