@@ -137,7 +137,7 @@ class TreeConfig:
             raise ValueError(f"m={self.m}; an expansion needs at least 2 children")
         if self.theta is not None and self.theta < 2:
             raise ValueError(f"theta={self.theta}; must be >= 2 or None")
-        if self.max_branches is not None and self.max_branches < self.b0:
+        if self.max_branches is not None and self.max_branches < self.b0 and self.strategy != "flat":
             raise ValueError(f"max_branches={self.max_branches} < b0={self.b0}")
         if self.alpha < 0:
             raise ValueError(f"alpha={self.alpha}; must be >= 0")
