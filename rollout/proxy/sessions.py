@@ -70,6 +70,7 @@ class Record:
       trajectory: the ready trajectory this record belongs to (``None``: not yet rewarded).
       depth: the number of ancestors (0 for a root).
       sibling: how many earlier records of the session share this record's parent.
+      out_norm: the normalized output message (set on completion).
     """
 
     id: str
@@ -80,6 +81,7 @@ class Record:
     concat: bool
     depth: int = 0
     sibling: int = 0
+    out_norm: dict[str, Any] | None = None
     response: ModelResponse | None = None
     output_message: dict[str, Any] | None = None
     version: int = -1
@@ -98,8 +100,8 @@ class Record:
         return "" if self.output_message is None else str(self.output_message.get("content") or "")
 
     def full_norm(self) -> list[dict[str, Any]]:
-        assert self.output_message is not None
-        return [*self.norm, normalize_message(self.output_message)]
+        assert self.out_norm is not None
+        return [*self.norm, self.out_norm]
 
 
 class Session:
@@ -121,6 +123,8 @@ class Session:
         self._next_trajectory = 0
         self._last_trajectory: int | None = None
         self._seq = 0
+        self._by_length: dict[int, list[Record]] = {}  # completed records by len(messages) + 1
+        self._longest = 0
         self.last_active = time.monotonic()
 
     @property
@@ -139,18 +143,16 @@ class Session:
     # ------------------------------------------------------------------ records
 
     def find_parent(self, norm: Sequence[Mapping[str, Any]]) -> Record | None:
-        """The longest completed record whose conversation (messages + output) prefixes ``norm``."""
-        best: Record | None = None
-        n = len(norm)
-        for rec in self.records.values():
-            if not rec.done or rec.output_message is None:
-                continue
-            k = len(rec.norm) + 1
-            if k > n or (best is not None and k <= len(best.norm) + 1):
-                continue
-            if rec.full_norm() == list(norm[:k]):
-                best = rec
-        return best
+        """The longest completed record whose conversation (messages + output) prefixes ``norm``
+        (ties: the earliest). Completed records are indexed by conversation length, so the search
+        tries the longest lengths first and compares a candidate's last message before the rest:
+        about one full comparison per turn for a linear chat, however long the session."""
+        by_len = self._by_length
+        for k in range(min(len(norm), self._longest), 0, -1):
+            found = [rec for rec in by_len.get(k, ()) if rec.out_norm == norm[k - 1] and rec.norm == list(norm[:k - 1])]
+            if found:
+                return min(found, key=lambda r: r.seq)
+        return None
 
     def begin(self, messages: list[dict[str, Any]], *, concat: bool) -> Record:
         """Create an in-flight record for a chat request (parent resolved now)."""
@@ -178,7 +180,11 @@ class Session:
     def complete(self, rec: Record, response: ModelResponse, text: str) -> None:
         rec.response = response
         rec.output_message = {"role": "assistant", "content": text}
+        rec.out_norm = normalize_message(rec.output_message)
         rec.version = -1 if response.weight_version is None else int(response.weight_version)
+        k = len(rec.norm) + 1
+        self._by_length.setdefault(k, []).append(rec)
+        self._longest = max(self._longest, k)
         self.inflight -= 1
         self.touch()
 
