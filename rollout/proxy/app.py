@@ -259,7 +259,7 @@ class ChatEndpoint:
         except ValueError as e:
             raise ProxyError(400, f"the request body is not valid JSON: {e}") from None
         req = parse_chat_request(body)
-        rid, resp, message, upstream_s = await proxy.chat(session, req)
+        rid, resp, message, upstream_s = await proxy.chat(session, req, owned=True)  # parsed from this body
         model = proxy.config.model_name
         if req.stream:
             return stream_chunks(rid, model, resp, message, logprobs=req.logprobs, include_usage=req.include_usage,

@@ -270,8 +270,11 @@ class RecordingProxy:
             s = self._token_text_cache[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    async def chat(self, session: Session | None, req: ChatRequest) -> tuple[str, Any, dict[str, Any], float]:
+    async def chat(self, session: Session | None, req: ChatRequest, *,
+                   owned: bool = False) -> tuple[str, Any, dict[str, Any], float]:
         """Forward one chat turn; record it into ``session`` (``None``: pass through unrecorded).
+        ``owned``: ``req.messages`` were parsed from the wire for this call and may be recorded
+        without a deep copy.
 
         Returns ``(interaction id, ModelResponse, assistant message, seconds spent waiting on the
         upstream)``. Upstream failures are a 502 and leave no record; cancellation removes the
@@ -279,7 +282,7 @@ class RecordingProxy:
         """
         self._check_open("chat")
         concat = self.config.chat_template_type == "concat"
-        rec: Record | None = session.begin(req.messages, concat=concat) if session is not None else None
+        rec: Record | None = session.begin(req.messages, concat=concat, owned=owned) if session is not None else None
         try:
             prompt = self.prompts.prompt(rec) if rec is not None and concat else self.prompts.fresh(req.messages)
             room = None

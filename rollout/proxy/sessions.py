@@ -154,10 +154,12 @@ class Session:
                 return min(found, key=lambda r: r.seq)
         return None
 
-    def begin(self, messages: list[dict[str, Any]], *, concat: bool) -> Record:
-        """Create an in-flight record for a chat request (parent resolved now)."""
+    def begin(self, messages: list[dict[str, Any]], *, concat: bool, owned: bool = False) -> Record:
+        """Create an in-flight record for a chat request (parent resolved now). The messages are
+        deep-copied unless ``owned`` (the caller hands over objects nobody else refers to, e.g.
+        just parsed from a request body)."""
         self.check_open()
-        msgs = copy_json(messages)
+        msgs = messages if owned else copy_json(messages)
         norm = [normalize_message(m) for m in msgs]
         parent = self.find_parent(norm)
         depth = 0 if parent is None else parent.depth + 1
