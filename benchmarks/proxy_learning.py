@@ -132,7 +132,7 @@ def _summary(runs: list[dict], arms: list[str]) -> dict:
 
 
 def _print_summary(summary: dict, runs: list[dict], arms: list[str]) -> None:
-    print("\nheld-out sampled success (64 maps x 4 samples)")
+    print("\nheld-out sampled success (eval.num_tasks maps x eval.samples samples: 64 x 4 by default)")
     steps = summary[arms[0]]["steps"]
     print(f"{'arm':<6} {'seed':>5} " + " ".join(f"{'@' + str(s):>7}" for s in steps) + f" {'gain':>7}")
     for arm in arms:
