@@ -1,21 +1,36 @@
 """Per-turn overhead of the recording proxy against calling the upstream directly.
 
-    python -m benchmarks.proxy [--agents 1 64] [--turns 8] [--rounds 3] [--json benchmarks/results/proxy_cpu.json]
+    python -m benchmarks.proxy [--agents 1 64] [--gen-ms 0 500] [--turns 8] [--samples 400]
+                               [--anchor REV] [--json benchmarks/results/proxy_cpu.json]
 
-Three processes on loopback: the scripted upstream (``python -m rollout.testing``: a deterministic
-policy, no model compute, so the proxy's cost is not hidden behind generation), the proxy
-(``python -m rollout.proxy`` in front of it, SGLang dialect) and this one, where ``n`` agents
-written with the official ``openai`` SDK each play ``turns`` chat turns (FrozenLake-shaped
-conversations that grow every turn). Every turn's latency is timed around
-``chat.completions.create``, once with the agents pointed at the upstream's own
-``/v1/chat/completions`` ("direct") and once at the proxy ("proxy"); rounds alternate the two.
+Processes on loopback: the scripted upstream (``python -m rollout.testing``: a deterministic policy
+and no model, so the proxy's cost is not hidden behind generation; ``--gen-ms`` makes each of its
+answers take that long, as generation would, without using the CPU; set through its ``/script``
+route), the proxy (``python -m
+rollout.proxy`` in front of it, SGLang dialect), optionally the proxy of an older commit
+(``--anchor REV``, run from ``git archive REV``), and this process, where ``n`` agents written with
+the official ``openai`` SDK play FrozenLake-shaped conversations that grow every turn.
 
-Reported per concurrency: latency p50 / p99 of both, the overhead ``proxy - direct`` at p50 / p99,
-the proxy's own work per turn as it measures it (``/rl/stats``: the chat route's time outside the
-upstream call: parsing, the parent rule, concat tokenization, recording, the answer; under load it
-includes waiting for the event loop), p50 / p99, and the proxy process's CPU time per turn (all of
-it: HTTP server and client included; from ``/proc``, so robust to a shared machine). The JSON
-records the load average before and after (the machine may be shared).
+**Interleaved, paired.** Every turn of every agent calls each arm once with the same messages, in
+an order that rotates with the turn and the agent: the upstream's own ``/v1/chat/completions``
+("direct"), the proxy (whose answer continues the conversation, so every later turn is a concat
+turn with a parent) and the anchor. The arms therefore see the same machine load at the same
+moments, and each proxied turn has a direct twin. Reported per concurrency:
+
+- latency p50 / p99 of each arm (ms, around ``chat.completions.create``);
+- ``overhead_p50`` = p50(proxy) - p50(direct), ``overhead_p99`` likewise, and ``paired_p50``, the
+  median over turns of (proxy - its direct twin);
+- ``cpu_ms_per_turn``: the proxy process's CPU time (user + system, from ``/proc``: everything it
+  does, HTTP server and client included) divided by the turns it served: robust to a shared
+  machine, and the proxy's capacity is ``1000 / cpu_ms_per_turn`` turns/s per core;
+- ``own_p50`` / ``own_p99``: the proxy's own wall time per turn as it measures it (``/rl/stats``:
+  the chat route from the request body to the built answer, minus the upstream wait; under load it
+  includes waiting for the event loop).
+
+``--gen-ms`` is per concurrency (one value for all, or one per ``--agents`` entry). At 64 agents a
+zero-time upstream is saturated by this machine's own CPUs, and then the latencies measure the
+machine's throughput, not the proxy; the default gives it 500 ms per answer (a short generation).
+The JSON records the load average before and after each concurrency.
 """
 
 from __future__ import annotations
@@ -28,6 +43,8 @@ import platform
 import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +67,7 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"{url} exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -58,27 +75,6 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not come up")
-
-
-async def _agents(base_url: str, keys: list[str], turns: int, http) -> list[float]:
-    """``len(keys)`` agents play ``turns`` turns each; returns every turn's latency (s)."""
-    import openai
-
-    lat: list[float] = []
-
-    async def agent(i: int, key: str) -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=key, http_client=http, max_retries=0)
-        msgs = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Map:\nP _ _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nAgent {i}. What is your move?"}]
-        for t in range(turns):
-            t0 = time.perf_counter()
-            r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=16, seed=i * 1000 + t)
-            lat.append(time.perf_counter() - t0)
-            msgs = [*msgs, {"role": "assistant", "content": r.choices[0].message.content},
-                    {"role": "user", "content": f"You moved.\nMap:\n_ P _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nTurn {t}."}]
-
-    await asyncio.gather(*(agent(i, k) for i, k in enumerate(keys)))
-    return lat
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -90,78 +86,175 @@ def _cpu_s(pid: int) -> float | None:
         return None
 
 
-def _pct(x: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(x) * 1e3, q))
+def _ms(x: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(x) * 1e3, q)) if x else None
 
 
-async def _bench(up_url: str, px_url: str, agents: list[int], turns: int, rounds: int, proxy_pid: int) -> list[dict]:
+def _first_message(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Map:\nP _ _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nAgent {i}. What is your move?"}]
+
+
+async def _agents(arms: dict[str, tuple[str, list[str]]], n: int, turns: int, http, offset: int) -> dict[str, list[float]]:
+    """``n`` agents play ``turns`` turns; each turn calls every arm (rotating order). ``arms``:
+    name -> (base URL, one key per agent). The ``proxy`` arm's answer continues the conversation.
+    Returns each arm's latencies (s), in (agent, turn) order."""
+    import openai
+
+    names = list(arms)
+    lat: dict[str, list[float | None]] = {a: [None] * (n * turns) for a in names}
+
+    async def agent(i: int) -> None:
+        clients = {a: openai.AsyncOpenAI(base_url=url, api_key=keys[i], http_client=http, max_retries=0)
+                   for a, (url, keys) in arms.items()}
+        msgs = _first_message(i)
+        for t in range(turns):
+            k = (t + i + offset) % len(names)
+            answer = None
+            for a in names[k:] + names[:k]:
+                t0 = time.perf_counter()
+                try:
+                    r = await clients[a].chat.completions.create(model="m", messages=msgs, max_tokens=16,
+                                                                 seed=i * 1000 + t)
+                except Exception as e:
+                    raise RuntimeError(f"agent {i} turn {t}: the {a} arm failed: {type(e).__name__}: {e}") from e
+                lat[a][i * turns + t] = time.perf_counter() - t0
+                if a == "proxy":
+                    answer = r.choices[0].message.content
+            msgs = [*msgs, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"You moved.\nMap:\n_ P _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nTurn {t}."}]
+
+    await asyncio.gather(*(agent(i) for i in range(n)))
+    return {a: [x for x in v if x is not None] for a, v in lat.items()}
+
+
+async def _bench(upstream: str, proxies: dict[str, tuple[str, int]], agents: list[int], gen_ms: list[float],
+                 turns: int, samples: int) -> list[dict]:
     import httpx
 
     out = []
-    limits = httpx.Limits(max_connections=max(agents) + 8, max_keepalive_connections=max(agents) + 8)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        admin = {"Authorization": f"Bearer {ADMIN}"}
-        for n in agents:
-            direct: list[float] = []
-            proxied: list[float] = []
-            cpu = 0.0
-            await _agents(up_url + "/v1", ["x"] * n, 2, http)  # warm-up: connections, code paths
-            await http.get(px_url + "/rl/stats?reset=1", headers=admin)
-            k = max(rounds, -(-200 // (n * turns)))  # at least ~200 turns per mode
-            for r in range(k):
-                direct += await _agents(up_url + "/v1", ["x"] * n, turns, http)
-                start = await http.post(px_url + "/rl/start_session", json={"task_id": f"b{n}-{r}", "group_size": n},
-                                        headers=admin)
-                sessions = start.json()["sessions"]
-                c0 = _cpu_s(proxy_pid)
-                proxied += await _agents(px_url + "/v1", [s["session_api_key"] for s in sessions], turns, http)
-                c1 = _cpu_s(proxy_pid)
-                cpu += (c1 - c0) if c0 is not None and c1 is not None else float("nan")
-                await http.post(px_url + "/export_trajectories", headers=admin, json={
-                    "session_ids": [s["session_id"] for s in sessions], "discard_trajectory": True})
-            stats = (await http.get(px_url + "/rl/stats?reset=1", headers=admin)).json()["overhead_ms"]
-            row = {
-                "agents": n, "turns": len(proxied),
-                "direct_p50_ms": _pct(direct, 50), "direct_p99_ms": _pct(direct, 99),
-                "proxy_p50_ms": _pct(proxied, 50), "proxy_p99_ms": _pct(proxied, 99),
-                "overhead_p50_ms": _pct(proxied, 50) - _pct(direct, 50),
-                "overhead_p99_ms": _pct(proxied, 99) - _pct(direct, 99),
-                "proxy_own_p50_ms": stats["p50"], "proxy_own_p99_ms": stats["p99"],
-                "proxy_cpu_ms_per_turn": cpu * 1e3 / len(proxied),
-            }
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    limits = httpx.Limits(max_connections=4 * max(agents) + 8, max_keepalive_connections=4 * max(agents) + 8)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        for n, delay in zip(agents, gen_ms):
+            (await http.post(upstream + "/script", json={"delay_s": delay / 1000.0})).raise_for_status()
+            load_before = os.getloadavg()
+            lat: dict[str, list[float]] = {"direct": [], **{a: [] for a in proxies}}
+            cpu = {a: 0.0 for a in proxies}
+            rounds = max(1, -(-samples // (n * turns)))
+            for r in range(rounds + 1):  # round 0 warms connections and code paths up (not timed)
+                arms: dict[str, tuple[str, list[str]]] = {"direct": (upstream + "/v1", ["x"] * n)}
+                for a, (url, _) in proxies.items():
+                    start = await http.post(url + "/rl/start_session", headers=admin,
+                                            json={"task_id": f"b{n}-{r}", "group_size": n})
+                    start.raise_for_status()
+                    arms[a] = (url + "/v1", [s["session_api_key"] for s in start.json()["sessions"]])
+                if r == 1:
+                    for url, _ in proxies.values():
+                        await http.get(url + "/rl/stats?reset=1", headers=admin)
+                c0 = {a: _cpu_s(pid) for a, (_, pid) in proxies.items()}
+                got = await _agents(arms, n, turns if r else 2, http, offset=r)
+                c1 = {a: _cpu_s(pid) for a, (_, pid) in proxies.items()}
+                if r:
+                    for a in lat:
+                        lat[a] += got[a]
+                    for a in proxies:
+                        ok = c0[a] is not None and c1[a] is not None
+                        cpu[a] += (c1[a] - c0[a]) if ok else float("nan")
+                for a, (url, _) in proxies.items():
+                    await http.post(url + "/export_trajectories", headers=admin, json={
+                        "session_ids": [f"b{n}-{r}-{i}" for i in range(n)], "discard_trajectory": True})
+            row: dict = {"agents": n, "gen_ms": delay, "turns": len(lat["direct"]), "loadavg_before": load_before,
+                         "loadavg_after": os.getloadavg()}
+            for a, v in lat.items():
+                row[f"{a}_p50_ms"], row[f"{a}_p99_ms"] = _ms(v, 50), _ms(v, 99)
+            for a, (url, _) in proxies.items():
+                pre = "" if a == "proxy" else f"{a}_"
+                diffs = [p - d for p, d in zip(lat[a], lat["direct"])]
+                row[f"{pre}overhead_p50_ms"] = row[f"{a}_p50_ms"] - row["direct_p50_ms"]
+                row[f"{pre}overhead_p99_ms"] = row[f"{a}_p99_ms"] - row["direct_p99_ms"]
+                row[f"{pre}paired_p50_ms"] = _ms(diffs, 50)
+                row[f"{pre}cpu_ms_per_turn"] = cpu[a] * 1e3 / len(lat[a])
+                own = (await http.get(url + "/rl/stats", headers=admin)).json()["overhead_ms"]
+                row[f"{pre}own_p50_ms"], row[f"{pre}own_p99_ms"] = own["p50"], own["p99"]
             out.append(row)
-            print(f"{n:>6} {row['turns']:>6} {row['direct_p50_ms']:>9.2f} {row['direct_p99_ms']:>9.2f} "
-                  f"{row['proxy_p50_ms']:>9.2f} {row['proxy_p99_ms']:>9.2f} {row['overhead_p50_ms']:>9.2f} "
-                  f"{row['overhead_p99_ms']:>9.2f} {row['proxy_own_p50_ms']:>9.2f} {row['proxy_own_p99_ms']:>9.2f} "
-                  f"{row['proxy_cpu_ms_per_turn']:>9.2f}",
-                  flush=True)
+            _print_row(row, list(proxies))
     return out
+
+
+_COLS = [("direct_p50_ms", "direct50"), ("direct_p99_ms", "direct99"), ("proxy_p50_ms", "proxy50"),
+         ("proxy_p99_ms", "proxy99"), ("overhead_p50_ms", "ovh50"), ("overhead_p99_ms", "ovh99"),
+         ("paired_p50_ms", "paired50"), ("own_p50_ms", "own50"), ("own_p99_ms", "own99"),
+         ("cpu_ms_per_turn", "cpu/turn")]
+
+
+def _print_header(proxies: list[str]) -> None:
+    extra = "".join(f" {'anc_ovh50':>9} {'anc_cpu':>9}" for a in proxies if a != "proxy")
+    print(f"{'agents':>6} {'gen_ms':>6} {'turns':>6} " + " ".join(f"{h:>9}" for _, h in _COLS) + extra
+          + "   (ms per turn; load average at the end)", flush=True)
+
+
+def _print_row(row: dict, proxies: list[str]) -> None:
+    cells = " ".join(f"{row[k]:>9.2f}" if row.get(k) is not None else f"{'-':>9}" for k, _ in _COLS)
+    extra = "".join(f" {row[f'{a}_overhead_p50_ms']:>9.2f} {row[f'{a}_cpu_ms_per_turn']:>9.2f}"
+                    for a in proxies if a != "proxy")
+    print(f"{row['agents']:>6} {row['gen_ms']:>6.0f} {row['turns']:>6} {cells}{extra}   "
+          f"load {row['loadavg_after'][0]:.1f}", flush=True)
+
+
+def _export_rev(rev: str, into: Path) -> None:
+    """The packages of commit ``rev`` (``git archive``) under ``into``."""
+    data = subprocess.run(["git", "archive", rev, "rollout", "scorers", "jaxprm"], cwd=ROOT, check=True,
+                          capture_output=True).stdout
+    tar = into / "src.tar"
+    tar.write_bytes(data)
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.proxy", description=__doc__.split("\n")[0])
     p.add_argument("--agents", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--gen-ms", type=float, nargs="+", default=None,
+                   help="upstream answer time per concurrency (default: 0 for one agent, 500 otherwise)")
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--samples", type=int, default=400, help="timed turns per arm and concurrency (at least)")
+    p.add_argument("--anchor", default=None, help="also time the proxy of this git revision (e.g. main)")
     p.add_argument("--json", default="benchmarks/results/proxy_cpu.json")
     args = p.parse_args(argv)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAXPRM_PROXY_ADMIN_KEY=ADMIN)
-    up_port, px_port = _free_port(), _free_port()
-    up_url, px_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{px_port}"
-    procs = []
-    load_before = os.getloadavg()
+    gen_ms = args.gen_ms or [0.0 if n == 1 else 500.0 for n in args.agents]
+    if len(gen_ms) == 1:
+        gen_ms = gen_ms * len(args.agents)
+    if len(gen_ms) != len(args.agents):
+        p.error("--gen-ms takes one value or one per --agents entry")
+    inherited = os.environ.get("PYTHONPATH", "")
+    path = lambda tree: os.pathsep.join(p for p in (str(tree), inherited) if p)  # noqa: E731
+    env = dict(os.environ, PYTHONPATH=path(ROOT), JAX_PLATFORMS="cpu", JAXPRM_PROXY_ADMIN_KEY=ADMIN)
+    up_port = _free_port()
+    up_url = f"http://127.0.0.1:{up_port}"
+    procs: list[subprocess.Popen] = []
+    proxies: dict[str, tuple[str, int]] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="bench-proxy-")
     try:
         procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(up_port), "--policy",
-                                       "hashed"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+                                       "hashed"], cwd=ROOT, env=env))
         _wait_up(up_url, procs[-1])
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang",
-                                       "--tokenizer", "rollout.testing:make_test_tokenizer", "--port", str(px_port),
-                                       "--default-max-tokens", "16", "--log-level", "error"],
-                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
-        _wait_up(px_url, procs[-1])
-        print(f"{'agents':>6} {'turns':>6} {'direct50':>9} {'direct99':>9} {'proxy50':>9} {'proxy99':>9} "
-              f"{'ovh50':>9} {'ovh99':>9} {'own50':>9} {'own99':>9} {'cpu/turn':>9}   (ms per turn)")
-        rows = asyncio.run(_bench(up_url, px_url, args.agents, args.turns, args.rounds, procs[-1].pid))
+        trees = {"proxy": ROOT}
+        if args.anchor:
+            anchor_dir = Path(tmp.name) / "anchor"
+            anchor_dir.mkdir()
+            _export_rev(args.anchor, anchor_dir)
+            trees["anchor"] = anchor_dir
+        for name, tree in trees.items():
+            port = _free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang", "--tokenizer",
+                 "rollout.testing:make_test_tokenizer", "--port", str(port), "--default-max-tokens", "16",
+                 "--log-level", "error"], cwd=tree, env=dict(env, PYTHONPATH=path(tree))))
+            proxies[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+            _wait_up(proxies[name][0], procs[-1])
+        _print_header(list(proxies))
+        rows = asyncio.run(_bench(up_url, proxies, args.agents, gen_ms, args.turns, args.samples))
     finally:
         for proc in procs:
             proc.terminate()
@@ -170,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    result = {"benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns, "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(), "python": platform.python_version(),
-              "machine": platform.machine()}
+        tmp.cleanup()
+    result = {"benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns, "anchor": args.anchor,
+              "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"load average before {load_before}, after {result['loadavg_after']}; wrote {args.json}")
+    print(f"wrote {args.json}")
     return 0
 
 

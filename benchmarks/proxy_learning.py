@@ -1,14 +1,30 @@
-"""Learning through the recording proxy vs the tree path, at matching settings.
+"""Learning through the recording proxy vs the tree path's flat GRPO, at the same settings.
 
-    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--out runs/bench_proxy_learning]
+    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--arms agent tree]
+                                        [--out runs/bench_proxy_learning]
                                         [--json benchmarks/results/proxy_learning_cpu.json] [key.sub=value ...]
 
-Both arms run ``configs/agent_frozenlake.yaml`` (flat GRPO groups of 8 on 4x4 FrozenLake, the
-FrozenLake progress scorer as a per-turn process reward, the same warm start per seed, the same
-held-out maps and evaluator); only ``rollout.source`` differs: ``agent`` (the OpenAI-SDK example
-agent through the in-process proxy) or ``tree`` (``rollout.tree`` drives the same environment).
-Every run is its own process. Prints held-out sampled success per eval step (each seed, mean ± std)
-and writes the JSON (with the load average before and after each run: the machine may be shared).
+Both arms run ``configs/agent_frozenlake.yaml`` (flat GRPO groups of 8 on 4x4 FrozenLake, 8 tasks
+per step, the FrozenLake progress scorer as a per-turn process reward, the same warm start, task
+stream, held-out maps and evaluator per seed); only ``rollout.source`` differs: ``agent`` (the
+OpenAI-SDK example agent through the in-process proxy) or ``tree`` (``rollout.tree`` drives the same
+environment). The agent's kwargs are interpolated from ``env`` / ``rollout`` in that config, so an
+override reaches both arms; each run's resolved ``config.yaml`` is compared with its twin's and the
+benchmark stops if they differ anywhere but ``rollout.source`` and ``run_dir``.
+
+Common random numbers: the agent path seeds its sessions like the tree path's flat groups
+(``rollout.proxy.sessions``), so with the same seed both arms sample from the same per-request seeds
+and, as long as the policies agree, train on the same rows (``tests/proxy/test_equivalence.py`` pins
+row equality against a deterministic server). The arms then differ only through what the data path
+does differently, plus float rounding: the server batches the two arms' requests differently, the
+sampler's log-probs agree to ~1e-6, and once the parameters differ a near-tie sample can flip and
+the runs drift apart like two seeds.
+
+Every run is its own process (a finished run is reused when its ``summary.json`` exists). Prints
+per seed the held-out sampled success (64 maps x 4 samples) at every eval step for both arms, the
+gain (last - first), the difference agent - tree, and mean ± std over seeds; the JSON has the
+curves, training statistics (train success, sampled actions, generated tokens, behavior KL, masked
+turns, failed agent groups, rollout seconds) and the load average before and after each run.
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,41 +43,113 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
 ARMS = ("agent", "tree")
+_FREE = {("rollout", "source"), ("run_dir",)}
+
+
+def _overrides(arm: str, seed: int, run_dir: Path, steps: int | None, extra: list[str]) -> list[str]:
+    out = [f"rollout.source={arm}", f"seed={seed}", f"env.seed={seed}", f"run_dir={run_dir}", "progress=false",
+           "export_final=false", "plots=false", *extra]
+    return out + ([f"steps={steps}"] if steps is not None else [])
 
 
 def _run(arm: str, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
     from jaxprm.train.rundir import read_metrics
 
     run_dir = out / f"{arm}-s{seed}"
-    overrides = [f"rollout.source={arm}", f"seed={seed}", f"env.seed={seed}", f"run_dir={run_dir}", "progress=false",
-                 "export_final=false", "plots=false", *extra]
-    if steps is not None:
-        overrides.append(f"steps={steps}")
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    if not (run_dir / "summary.json").is_file():
+    reused = (run_dir / "summary.json").is_file()
+    if not reused:
         if run_dir.exists():
-            import shutil
-
             shutil.rmtree(run_dir)
-        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--config", str(CONFIG), *overrides],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--config", str(CONFIG),
+                               *_overrides(arm, seed, run_dir, steps, extra)], capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"{arm} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     wall = time.perf_counter() - t0
     rows = read_metrics(run_dir / "metrics.jsonl")
     ev = [r for r in rows if r["kind"] == "eval"]
     tr = [r for r in rows if r["kind"] == "train"]
+    mean = lambda k: float(np.mean([r[k] for r in tr if r.get(k) is not None])) if tr else None  # noqa: E731
     res = {
-        "arm": arm, "seed": seed, "wall_s": wall, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "arm": arm, "seed": seed, "run_dir": str(run_dir), "reused": reused, "wall_s": wall,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "steps": [r["step"] for r in ev], "success": [r["success"] for r in ev],
         "pass_at_4": [r.get("pass_at_4") for r in ev], "greedy": [r.get("greedy_success") for r in ev],
-        "train_success": [r.get("success") for r in tr], "rollout_s": float(sum(r.get("rollout_s", 0) for r in tr)),
+        "train_success": [r.get("success") for r in tr], "train_success_mean": mean("success"),
+        "behavior_kl_mean": mean("behavior_kl"), "invalid_rate_mean": mean("invalid_rate"),
+        "rollout_s": float(sum(r.get("rollout_s", 0) for r in tr)),
         "sampled_actions": int(sum(r.get("sampled_actions", 0) for r in tr)),
+        "generated_tokens": int(sum(r.get("generated_tokens", 0) for r in tr)),
+        "masked_turns": int(sum(r.get("masked_turns", 0) for r in tr)),
         "agent_failed_groups": int(sum(r.get("agent_failed_groups", 0) for r in tr)),
     }
-    print(f"  {arm} seed {seed}: {wall:.0f}s  success {res['success']}", flush=True)
+    print(f"  {arm:<5} seed {seed}: {wall:5.0f} s{' (reused)' if reused else ''}  held-out success "
+          + " ".join(f"@{s}={v:.3f}" for s, v in zip(res["steps"], res["success"])), flush=True)
     return res
+
+
+def _flatten(d: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix == ("agent",) and k == "kwargs"):
+            out.update(_flatten(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def check_same_settings(a: Path, b: Path) -> list[str]:
+    """Keys (dotted) whose resolved values differ between two runs' ``config.yaml``, other than
+    ``rollout.source`` and ``run_dir``."""
+    import yaml
+
+    fa, fb = (_flatten(yaml.safe_load((p / "config.yaml").read_text())) for p in (a, b))
+    return [".".join(k) for k in sorted(set(fa) | set(fb)) if k not in _FREE and fa.get(k) != fb.get(k)]
+
+
+def _summary(runs: list[dict], arms: list[str]) -> dict:
+    out: dict = {}
+    for arm in arms:
+        rs = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        n = min(len(r["success"]) for r in rs)
+        succ = np.array([r["success"][:n] for r in rs])
+        gain = succ[:, -1] - succ[:, 0]
+        out[arm] = {"seeds": [r["seed"] for r in rs], "steps": rs[0]["steps"][:n],
+                    "mean": succ.mean(0).tolist(), "std": succ.std(0).tolist(),
+                    "first_mean": float(succ[:, 0].mean()), "last_mean": float(succ[:, -1].mean()),
+                    "last_std": float(succ[:, -1].std()), "gain": gain.tolist(), "gain_mean": float(gain.mean()),
+                    "gain_std": float(gain.std()),
+                    "train_success_mean": float(np.mean([r["train_success_mean"] for r in rs])),
+                    "sampled_actions_mean": float(np.mean([r["sampled_actions"] for r in rs])),
+                    "generated_tokens_mean": float(np.mean([r["generated_tokens"] for r in rs]))}
+    if {"agent", "tree"} <= set(out):
+        by = {(r["arm"], r["seed"]): r for r in runs}
+        seeds = [s for s in out["agent"]["seeds"] if ("tree", s) in by]
+        d = np.array([by["agent", s]["success"][-1] - by["tree", s]["success"][-1] for s in seeds])
+        out["agent_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()), "std": float(d.std())}
+    return out
+
+
+def _print_summary(summary: dict, runs: list[dict], arms: list[str]) -> None:
+    print("\nheld-out sampled success (eval.num_tasks maps x eval.samples samples: 64 x 4 by default)")
+    steps = summary[arms[0]]["steps"]
+    print(f"{'arm':<6} {'seed':>5} " + " ".join(f"{'@' + str(s):>7}" for s in steps) + f" {'gain':>7}")
+    for arm in arms:
+        for r in sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"]):
+            print(f"{arm:<6} {r['seed']:>5} " + " ".join(f"{v:>7.3f}" for v in r["success"][:len(steps)])
+                  + f" {r['success'][len(steps) - 1] - r['success'][0]:>+7.3f}")
+        s = summary[arm]
+        print(f"{arm:<6} {'mean':>5} " + " ".join(f"{v:>7.3f}" for v in s["mean"]) + f" {s['gain_mean']:>+7.3f}")
+        print(f"{arm:<6} {'std':>5} " + " ".join(f"{v:>7.3f}" for v in s["std"]) + f" {s['gain_std']:>7.3f}")
+    if "agent_minus_tree" in summary:
+        d = summary["agent_minus_tree"]
+        print(f"agent - tree at the last eval, per seed: {', '.join(f'{x:+.3f}' for x in d['last'])}; "
+              f"mean {d['mean']:+.3f} ± {d['std']:.3f}")
+    for arm in arms:
+        s = summary[arm]
+        print(f"{arm:<6} train success {s['train_success_mean']:.3f}, sampled actions {s['sampled_actions_mean']:.0f}, "
+              f"generated tokens {s['generated_tokens_mean']:.0f} (means over seeds)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,33 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--out", default="runs/bench_proxy_learning")
     p.add_argument("--json", default="benchmarks/results/proxy_learning_cpu.json")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="key.sub=value for both arms")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for seed in args.seeds:  # interleave the arms so machine load affects both alike
+    meta = {"config": str(CONFIG.relative_to(ROOT)), "overrides": args.overrides, "steps": args.steps,
+            "cpus": os.cpu_count()}
+    runs: list[dict] = []
+    for seed in args.seeds:  # the arms of a seed back to back, so machine load affects both alike
         for arm in args.arms:
             runs.append(_run(arm, seed, out, args.steps, args.overrides))
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)), "runs": runs}, indent=1))
-    print("\nheld-out sampled success (64 maps x 4 samples) per eval step")
-    summary = {}
-    for arm in args.arms:
-        rs = [r for r in runs if r["arm"] == arm]
-        n = min(len(r["success"]) for r in rs)
-        succ = np.array([r["success"][:n] for r in rs])
-        for r in rs:
-            print(f"{arm:<6} seed {r['seed']}: " + "  ".join(f"@{s}={v:.3f}" for s, v in zip(r["steps"], r["success"])))
-        print(f"{arm:<6} mean ± std: " + "  ".join(f"@{s}={m:.3f}±{d:.3f}" for s, m, d in
-                                                  zip(rs[0]["steps"][:n], succ.mean(0), succ.std(0))))
-        gain = succ[:, -1] - succ[:, 0]
-        summary[arm] = {"first_mean": float(succ[:, 0].mean()), "last_mean": float(succ[:, -1].mean()),
-                        "last_std": float(succ[:, -1].std()), "gain_mean": float(gain.mean()),
-                        "gain_std": float(gain.std()), "seeds": len(rs)}
-        print(f"{arm:<6} gain (last - first): {gain.mean():+.3f} ± {gain.std():.3f}")
-    Path(args.json).write_text(json.dumps({"config": str(CONFIG.relative_to(ROOT)), "runs": runs, "summary": summary},
-                                          indent=1))
+            Path(args.json).write_text(json.dumps({**meta, "runs": runs}, indent=1))
+        if len(args.arms) == 2:
+            diff = check_same_settings(out / f"agent-s{seed}", out / f"tree-s{seed}")
+            if diff:
+                raise SystemExit(f"seed {seed}: the arms' resolved configs differ at {diff}")
+    summary = _summary(runs, args.arms)
+    _print_summary(summary, runs, args.arms)
+    Path(args.json).write_text(json.dumps({**meta, "runs": runs, "summary": summary}, indent=1))
     print(f"wrote {args.json}")
     return 0
 

@@ -214,7 +214,8 @@ def _logprobs_for(prompt: Sequence[int], out: Sequence[int]) -> list[float]:
 
 
 def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
-    """The Starlette app implementing ``/v1/completions``, ``/generate``, ``/health``."""
+    """The Starlette app implementing ``/v1/completions``, ``/generate``, ``/v1/chat/completions``,
+    ``/health`` and ``/script`` (set the delay)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -319,11 +320,18 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
 
+    async def control(request: Request):
+        """``POST /script {"delay_s": x}``: change the answer delay of a running server (benchmarks)."""
+        body = await request.json()
+        script.delay_s = float(body["delay_s"])
+        return JSONResponse({"delay_s": script.delay_s})
+
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/script", control, methods=["POST"]),
     ])
 
 
@@ -384,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = make_test_tokenizer()
     pol = frozenlake_policy(tok, p_good=args.p_good) if args.policy == "frozenlake" else hashed_action_policy(tok)
     script = ServerScript(policy=pol, delay_s=args.delay)
-    uvicorn.run(build_app(script, tok), host="127.0.0.1", port=args.port, log_level="error", lifespan="off")
+    uvicorn.run(build_app(script, tok), host="127.0.0.1", port=args.port, log_level="error", lifespan="off",
+                timeout_keep_alive=75)
 
 
 if __name__ == "__main__":

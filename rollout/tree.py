@@ -50,6 +50,7 @@ from rollout.types import Interaction, InteractionTree, branch_messages
 from scorers import BaseScorer, ScoringRejected, score_branch
 
 __all__ = [
+    "request_seed",
     "TreeConfig",
     "LeafRecord",
     "CheckpointStats",
@@ -136,7 +137,7 @@ class TreeConfig:
             raise ValueError(f"m={self.m}; an expansion needs at least 2 children")
         if self.theta is not None and self.theta < 2:
             raise ValueError(f"theta={self.theta}; must be >= 2 or None")
-        if self.max_branches is not None and self.max_branches < self.b0:
+        if self.max_branches is not None and self.max_branches < self.b0 and self.strategy != "flat":
             raise ValueError(f"max_branches={self.max_branches} < b0={self.b0}")
         if self.alpha < 0:
             raise ValueError(f"alpha={self.alpha}; must be >= 0")
@@ -250,8 +251,14 @@ class _Branch:
                        origin=origin, lineage_len=self.lineage_len, score=self.score)
 
 
-def _seed(*parts: Any) -> int:
+def request_seed(*parts: Any) -> int:
+    """The sampling seed of one request: ``crc32(":".join(map(str, parts))) & 0x7FFFFFFF``. A tree
+    branch's turn uses ``(config seed, group seed, branch id, depth)``; the recording proxy's seeded
+    sessions use the same parts, so both paths sample a flat group alike."""
     return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+_seed = request_seed
 
 
 async def _gather(coros: Sequence[Any]) -> list[Any]:

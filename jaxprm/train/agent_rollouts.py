@@ -5,6 +5,9 @@ the same generation server the tree path uses, with the ``prm`` scorers), and pe
 
 1. starts one group of ``rollout.group_size`` sessions per task and runs the ``agent.workflow``
    agents concurrently (each with its session key, the proxy's base URL and a shared HTTP client);
+   the sessions are seeded like the tree path's flat groups of the step (group ``i`` of step ``s``:
+   ``f"{seed}:{s * 10000 + i}"``), so requests without a seed of their own sample what the tree
+   path would, and a run's rollouts are reproducible;
 2. sets each agent's result as its reward and exports the group (in-process: the rows come back
    without serialization; scoring happens in the export). A failed agent discards its group;
    a group rejected by the proxy (a missing session, a scoring failure) is dropped; both counted;
@@ -90,10 +93,11 @@ class AgentRollouts:
 
         cfg, ag = self.cfg, self.cfg.agent
         proxy, base_url = self.server.proxy, self.server.base_url
-        outcomes = await asyncio.gather(*(
+        outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)
             run_agent_group(proxy, base_url, task, f"s{step}-g{i}-{getattr(task, 'task_id', i)}",
                             cfg.rollout.group_size, self.workflow, http_client=self.http, timeout_s=ag.timeout_s,
-                            kwargs=ag.kwargs, discount=ag.discount, limiter=self.limiter)
+                            kwargs=ag.kwargs, discount=ag.discount, limiter=self.limiter,
+                            seed=f"{cfg.seed}:{step * 10_000 + i}")
             for i, task in enumerate(tasks)))
         metrics = MetricsAccumulator()
         stats: dict[str, Any] = {"agent_failed_groups": 0, "prm_rejected_groups": 0, "missing_session_groups": 0}

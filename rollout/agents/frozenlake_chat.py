@@ -30,7 +30,7 @@ _PROMPTS = {"compact": COMPACT_SYSTEM_PROMPT, "full": SYSTEM_PROMPT, "none": Non
 
 async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *, model: str = "jaxprm",
               system_prompt: str = "compact", invalid_ends_episode: bool = True, max_tokens: int = 8,
-              temperature: float = 1.0, theta: int | None = 6) -> dict[str, Any]:
+              temperature: float = 1.0, top_p: float = 1.0, theta: int | None = 6) -> dict[str, Any]:
     """Play one FrozenLake episode through the proxy; see the module docstring.
 
     ``theta``: stop after this many identical consecutive actions (the tree rollouts' loop rule;
@@ -52,7 +52,7 @@ async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *
     actions: list[Any] = []
     while True:
         completion = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                          temperature=temperature)
+                                                          temperature=temperature, top_p=top_p)
         text = completion.choices[0].message.content or ""
         step = await env.step(text)
         rewards[completion.id] = float(step.reward)

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--max-context-tokens", type=int, default=None)
     p.add_argument("--session-timeout", type=float, default=3600.0, help="seconds before an idle session is swept")
+    p.add_argument("--keep-alive", type=float, default=75.0,
+                   help="seconds an idle client connection stays open (agents that think longer between turns "
+                        "reconnect; a short value makes their reuse of a closing connection likelier)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -94,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper())
     app = create_app(RecordingProxy(config, tokenizer))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=int(config.drain_timeout_s))
+                timeout_keep_alive=int(args.keep_alive), timeout_graceful_shutdown=int(config.drain_timeout_s))
     return 0
 
 

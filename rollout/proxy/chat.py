@@ -49,13 +49,15 @@ class ChatRequest:
         self.logprobs = logprobs
         self.model = model
 
-    def sampling(self, default_max_tokens: int, room: int | None = None) -> SamplingParams:
-        """Sampling params; ``max_tokens`` defaults to ``default_max_tokens`` and is clipped to ``room``."""
+    def sampling(self, default_max_tokens: int, room: int | None = None, *,
+                 default_seed: int | None = None) -> SamplingParams:
+        """Sampling params; ``max_tokens`` defaults to ``default_max_tokens`` and is clipped to ``room``;
+        the request's ``seed``, else ``default_seed``."""
         n = self.max_tokens if self.max_tokens is not None else default_max_tokens
         if room is not None:
             n = min(n, room)
         return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed)
+                              seed=self.seed if self.seed is not None else default_seed)
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:

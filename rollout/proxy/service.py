@@ -244,11 +244,12 @@ class RecordingProxy:
 
     # ------------------------------------------------------------------ sessions
 
-    def start_session(self, task_id: Any, group_size: Any = 1, *, api_key: Any = None,
-                      group_id: Any = None) -> tuple[str, list[Session]]:
-        """``(group_id, sessions)``; see ``SessionStore.start_group`` for the errors."""
+    def start_session(self, task_id: Any, group_size: Any = 1, *, api_key: Any = None, group_id: Any = None,
+                      seed: Any = None) -> tuple[str, list[Session]]:
+        """``(group_id, sessions)``; see ``SessionStore.start_group`` (``seed``: the sessions'
+        sampling seeds) for the errors."""
         self._check_open("start_session")
-        return self.store.start_group(task_id, group_size, api_key=api_key, group_id=group_id)
+        return self.store.start_group(task_id, group_size, api_key=api_key, group_id=group_id, seed=seed)
 
     def set_reward(self, session: Session, body: Any) -> dict[str, Any]:
         """``{interaction_id?, reward?, rewards?, env_states?}`` -> the set_reward answer."""
@@ -269,8 +270,11 @@ class RecordingProxy:
             s = self._token_text_cache[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    async def chat(self, session: Session | None, req: ChatRequest) -> tuple[str, Any, dict[str, Any], float]:
+    async def chat(self, session: Session | None, req: ChatRequest, *,
+                   owned: bool = False) -> tuple[str, Any, dict[str, Any], float]:
         """Forward one chat turn; record it into ``session`` (``None``: pass through unrecorded).
+        ``owned``: ``req.messages`` were parsed from the wire for this call and may be recorded
+        without a deep copy.
 
         Returns ``(interaction id, ModelResponse, assistant message, seconds spent waiting on the
         upstream)``. Upstream failures are a 502 and leave no record; cancellation removes the
@@ -278,7 +282,7 @@ class RecordingProxy:
         """
         self._check_open("chat")
         concat = self.config.chat_template_type == "concat"
-        rec: Record | None = session.begin(req.messages, concat=concat) if session is not None else None
+        rec: Record | None = session.begin(req.messages, concat=concat, owned=owned) if session is not None else None
         try:
             prompt = self.prompts.prompt(rec) if rec is not None and concat else self.prompts.fresh(req.messages)
             room = None
@@ -288,7 +292,8 @@ class RecordingProxy:
                     raise ProxyError(400, f"the prompt has {len(prompt)} tokens, which leaves no room for a response "
                                           f"within max_context_tokens={self.config.max_context_tokens}",
                                      param="messages")
-            params = req.sampling(self.config.default_max_tokens, room)
+            params = req.sampling(self.config.default_max_tokens, room,
+                                  default_seed=session.sampling_seed(rec) if rec is not None else None)
             gen = await self.client.generate(prompt, params, route_key=session.id if session is not None else None)
         except BaseException as e:
             if rec is not None:  # nothing is recorded for a turn that did not complete

@@ -7,6 +7,15 @@ dicts compared for equality after dropping keys whose value is null, because the
 ``message.model_dump()`` writes every optional field as null; ties go to the earliest record;
 in-flight records are skipped). So a session is a tree: a retry or a fork makes siblings.
 
+**Sampling seeds.** A session started with a ``seed`` (a jaxprm extension of ``start_session``)
+samples every request that brings no ``seed`` of its own with
+``rollout.tree.request_seed(seed, f"b{i}", depth[, k])``: ``i`` is the session's index in its group,
+``depth`` the record's number of ancestors and ``k`` (left out when 0) how many earlier records share
+its parent (a retry samples anew). These are the seeds of a flat tree group whose group seed parts
+are ``seed`` (``f"{config seed}:{group seed}"``), so against a deterministic server an agent's
+linear chats sample exactly what the tree path's branches sample; and a seeded run's rollouts are
+reproducible. Without a ``seed`` the server draws one per request.
+
 ``set_reward`` moves the session's completed, not yet trajectory-bound records into a **ready
 trajectory** (numbered 0, 1, ... per session). ``claim`` takes ready trajectories out of the
 session for an export; it is synchronous, so it runs under the event loop's atomicity (no await
@@ -31,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rollout.proxy.config import HITL_SESSION, ProxyError
+from rollout.tree import request_seed
 from rollout.types import ModelResponse, copy_json
 
 __all__ = ["Record", "Session", "SessionStore", "normalize_message", "HITL_SESSION"]
@@ -58,6 +68,9 @@ class Record:
       version: the weight version of the output tokens (``-1``: not reported by the upstream).
       reward / env_state: set by ``set_reward`` (``env_states`` is a jaxprm extension).
       trajectory: the ready trajectory this record belongs to (``None``: not yet rewarded).
+      depth: the number of ancestors (0 for a root).
+      sibling: how many earlier records of the session share this record's parent.
+      out_norm: the normalized output message (set on completion).
     """
 
     id: str
@@ -66,6 +79,9 @@ class Record:
     norm: list[dict[str, Any]]
     parent: Record | None
     concat: bool
+    depth: int = 0
+    sibling: int = 0
+    out_norm: dict[str, Any] | None = None
     response: ModelResponse | None = None
     output_message: dict[str, Any] | None = None
     version: int = -1
@@ -84,15 +100,18 @@ class Record:
         return "" if self.output_message is None else str(self.output_message.get("content") or "")
 
     def full_norm(self) -> list[dict[str, Any]]:
-        assert self.output_message is not None
-        return [*self.norm, normalize_message(self.output_message)]
+        assert self.out_norm is not None
+        return [*self.norm, self.out_norm]
 
 
 class Session:
     """One agent episode: its key, records and ready trajectories."""
 
-    def __init__(self, session_id: str, api_key: str, *, task_id: str, group_id: str) -> None:
+    def __init__(self, session_id: str, api_key: str, *, task_id: str, group_id: str, seed: int | str | None = None,
+                 index: int = 0) -> None:
         self.id = session_id
+        self.seed = seed
+        self.index = index
         self.api_key = api_key
         self.task_id = task_id
         self.group_id = group_id
@@ -104,6 +123,8 @@ class Session:
         self._next_trajectory = 0
         self._last_trajectory: int | None = None
         self._seq = 0
+        self._by_length: dict[int, list[Record]] = {}  # completed records by len(messages) + 1
+        self._longest = 0
         self.last_active = time.monotonic()
 
     @property
@@ -122,37 +143,50 @@ class Session:
     # ------------------------------------------------------------------ records
 
     def find_parent(self, norm: Sequence[Mapping[str, Any]]) -> Record | None:
-        """The longest completed record whose conversation (messages + output) prefixes ``norm``."""
-        best: Record | None = None
-        n = len(norm)
-        for rec in self.records.values():
-            if not rec.done or rec.output_message is None:
-                continue
-            k = len(rec.norm) + 1
-            if k > n or (best is not None and k <= len(best.norm) + 1):
-                continue
-            if rec.full_norm() == list(norm[:k]):
-                best = rec
-        return best
+        """The longest completed record whose conversation (messages + output) prefixes ``norm``
+        (ties: the earliest). Completed records are indexed by conversation length, so the search
+        tries the longest lengths first and compares a candidate's last message before the rest:
+        about one full comparison per turn for a linear chat, however long the session."""
+        by_len = self._by_length
+        for k in range(min(len(norm), self._longest), 0, -1):
+            found = [rec for rec in by_len.get(k, ()) if rec.out_norm == norm[k - 1] and rec.norm == list(norm[:k - 1])]
+            if found:
+                return min(found, key=lambda r: r.seq)
+        return None
 
-    def begin(self, messages: list[dict[str, Any]], *, concat: bool) -> Record:
-        """Create an in-flight record for a chat request (parent resolved now)."""
+    def begin(self, messages: list[dict[str, Any]], *, concat: bool, owned: bool = False) -> Record:
+        """Create an in-flight record for a chat request (parent resolved now). The messages are
+        deep-copied unless ``owned`` (the caller hands over objects nobody else refers to, e.g.
+        just parsed from a request body)."""
         self.check_open()
-        msgs = copy_json(messages)
+        msgs = messages if owned else copy_json(messages)
         norm = [normalize_message(m) for m in msgs]
         parent = self.find_parent(norm)
+        depth = 0 if parent is None else parent.depth + 1
+        sibling = sum(1 for r in self.records.values() if r.parent is parent and r.depth == depth)
         rec = Record(id=f"chatcmpl-{secrets.token_hex(12)}", seq=self._seq, messages=msgs, norm=norm,
-                     parent=parent, concat=concat)
+                     parent=parent, concat=concat, depth=depth, sibling=sibling)
         self._seq += 1
         self.records[rec.id] = rec
         self.inflight += 1
         self.touch()
         return rec
 
+    def sampling_seed(self, rec: Record) -> int | None:
+        """The seed for ``rec`` when its request gives none (see the module docstring)."""
+        if self.seed is None:
+            return None
+        parts = (self.seed, f"b{self.index}", rec.depth) + ((rec.sibling,) if rec.sibling else ())
+        return request_seed(*parts)
+
     def complete(self, rec: Record, response: ModelResponse, text: str) -> None:
         rec.response = response
         rec.output_message = {"role": "assistant", "content": text}
+        rec.out_norm = normalize_message(rec.output_message)
         rec.version = -1 if response.weight_version is None else int(response.weight_version)
+        k = len(rec.norm) + 1
+        self._by_length.setdefault(k, []).append(rec)
+        self._longest = max(self._longest, k)
         self.inflight -= 1
         self.touch()
 
@@ -300,9 +334,10 @@ class SessionStore:
         self.by_id[HITL_SESSION] = self.hitl
         self.counters = {"sessions_started": 0, "sessions_removed": 0, "sessions_swept": 0}
 
-    def start_group(self, task_id: Any, group_size: Any = 1, *, api_key: Any = None,
-                    group_id: Any = None) -> tuple[str, list[Session]]:
+    def start_group(self, task_id: Any, group_size: Any = 1, *, api_key: Any = None, group_id: Any = None,
+                    seed: Any = None) -> tuple[str, list[Session]]:
         """Start ``group_size`` sessions ``"{task_id}-{i}"``; returns ``(group_id, sessions)``.
+        ``seed`` (an int or a string): the sessions' sampling seeds (see the module docstring).
 
         400: a bad task id / group size / key, or the admin key as a session key; 409: a session id
         or group id in use, or a requested key bound to an unfinished session.
@@ -328,6 +363,8 @@ class SessionStore:
             bound = self.by_key.get(api_key)
             if bound is not None and not bound.ended:
                 raise ProxyError(409, f"api_key is bound to the unfinished session {bound.id!r}", param="api_key")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, str)) or seed == ""):
+            raise ProxyError(400, f"seed must be an integer or a non-empty string, got {seed!r}", param="seed")
         ids = [f"{task_id}-{i}" for i in range(group_size)]
         taken = [s for s in ids if s in self.by_id]
         if taken:
@@ -340,7 +377,7 @@ class SessionStore:
         sessions = []
         for i, sid in enumerate(ids):
             key = api_key if api_key is not None else f"sk-sess-{secrets.token_urlsafe(24)}"
-            s = Session(sid, key, task_id=task_id, group_id=gid)
+            s = Session(sid, key, task_id=task_id, group_id=gid, seed=seed, index=i)
             self.by_id[sid] = s
             self.by_key[key] = s
             sessions.append(s)

@@ -81,13 +81,14 @@ class GroupOutcome:
 async def run_agent_group(proxy: RecordingProxy, base_url: str, task: Any, task_id: str, group_size: int,
                           workflow: Workflow, *, http_client: Any, timeout_s: float,
                           kwargs: Mapping[str, Any] | None = None, discount: float = 1.0, is_eval: bool = False,
-                          limiter: asyncio.Semaphore | None = None) -> GroupOutcome:
+                          limiter: asyncio.Semaphore | None = None, seed: int | str | None = None) -> GroupOutcome:
     """Start a group, run ``group_size`` agents concurrently, set their rewards, export the group.
 
     Each agent run is bounded by ``timeout_s`` (and by ``limiter``, if given, for concurrency).
+    ``seed``: the sessions' sampling seeds (``rollout.proxy.sessions``; ``None``: the server draws).
     Cancelling the caller cancels the agents and removes the group's sessions.
     """
-    gid, sessions = proxy.start_session(task_id, group_size)
+    gid, sessions = proxy.start_session(task_id, group_size, seed=seed)
     ids = [s.id for s in sessions]
     kw = dict(kwargs or {})
 

@@ -68,7 +68,7 @@ class ClosingScorer(BaseScorer):
         proxy = STATE.get("proxy")
         client_open = None
         if proxy is not None and proxy.client is not None:
-            client_open = not proxy.client._pools[0].is_closed
+            client_open = not proxy.client.is_closed
         EVENTS.append(("aclose", client_open))
 
 

@@ -167,3 +167,49 @@ def test_a_child_that_does_not_extend_its_parent_masks_the_parent_and_counts_a_w
     (row,) = concat_rows("w-0", "w", 0, list(s.records.values()), discount=1.0, token_rewards=None)
     assert row.masked_turns == 1 and row.tokens.tolist() == [1, 2, 3, 9, 8, 4, 5]
     assert row.loss_mask.tolist() == [0, 0, 0, 0, 0, 0, 1] and row.turn_ids.tolist() == [-1] * 6 + [1]
+
+
+def test_two_upstreams_sticky_sessions_and_one_selected_trajectory():
+    """``--upstream`` twice: concurrent sessions spread over both, each session's turns stay on its
+    server (its prefix cache); ``trajectory_id`` exports one ready trajectory and leaves the other."""
+    from rollout.client import ClientConfig
+    from rollout.proxy import ProxyConfig, ProxyServer
+    from rollout.testing import ScriptedServer, ServerScript, fixed_text_policy, make_test_tokenizer
+
+    tok = make_test_tokenizer()
+    scripts = [ServerScript(policy=fixed_text_policy(tok, "```Left```"), delay_s=0.1, record_prompts=True)
+               for _ in range(2)]
+
+    async def go():
+        with ScriptedServer(scripts[0], tok) as a, ScriptedServer(scripts[1], tok) as b:
+            cfg = ProxyConfig(upstream=ClientConfig(endpoints=(a.url, b.url), dialect="sglang"), admin_key=ADMIN,
+                              default_max_tokens=8)
+            async with await ProxyServer.start(cfg, tok) as srv:
+                _, sessions = srv.proxy.start_session("two", group_size=2)
+
+                async def chats(i, session, turns):
+                    async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=session.api_key,
+                                                  max_retries=0) as client:
+                        msgs = [SYS, {"role": "user", "content": f"Agent {i}. Map:\nP G"}]
+                        for t in range(turns):
+                            r = await client.chat.completions.create(model="m", messages=msgs)
+                            msgs = [*msgs, r.choices[0].message.model_dump(), {"role": "user", "content": f"o{t}"}]
+
+                await asyncio.gather(*(chats(i, s, 3) for i, s in enumerate(sessions)))
+                s0 = sessions[0]
+                first = srv.proxy.set_reward(s0, {"reward": 1.0})  # trajectory 0: the first episode
+                await chats(0, s0, 1)  # trajectory 1: one more chat (a sibling of the first turn)
+                srv.proxy.set_reward(s0, {"reward": 0.5})
+                only_1 = await srv.proxy.export({"session_ids": [s0.id], "trajectory_id": 1, "remove_session": False})
+                rest = await srv.proxy.export({"session_ids": [s0.id]})
+                return sessions, first, only_1, rest
+
+    sessions, first, only_1, rest = asyncio.run(go())
+    assert [sc.requests for sc in scripts] in ([4, 3], [3, 4])  # one session per server (+1 turn of s0)
+    for sc in scripts:  # sticky: every prompt a server saw extends its first one (one conversation)
+        head = sc.prompts[0]
+        assert all(p[:len(head)] == head for p in sc.prompts)
+    assert scripts[0].prompts[0] != scripts[1].prompts[0]
+    assert first["trajectory_id"] == 0
+    assert [r.trajectory_id for r in only_1.rows] == [1] and only_1.rows[0].outcome_reward == 0.5
+    assert [r.trajectory_id for r in rest.rows] == [0] and rest.rows[0].outcome_reward == 1.0

@@ -63,6 +63,40 @@ def test_null_keys_are_ignored_and_in_flight_records_are_skipped():
     assert e.parent is b
 
 
+def _brute_force_parent(s: Session, norm):
+    """PROXY.md's rule, literally: the completed record with the most messages whose messages +
+    output prefix ``norm``; ties to the earliest."""
+    best = None
+    for rec in sorted(s.records.values(), key=lambda r: r.seq):
+        if rec.done:
+            full = [*rec.norm, normalize_message(rec.output_message)]
+            if len(full) <= len(norm) and full == list(norm[:len(full)]) and (best is None or len(full) > len(best.norm) + 1):
+                best = rec
+    return best
+
+
+def test_the_indexed_lookup_equals_the_rule_on_random_trees():
+    import random
+
+    rng = random.Random(0)
+    for trial in range(30):
+        s = Session(f"r{trial}-0", "k", task_id="r", group_id="r")
+        convs = [[SYS, USER]]
+        for _ in range(25):
+            base = rng.choice(convs)
+            if rng.random() < 0.3 and len(base) > 2:  # an edited or truncated history
+                base = base[:rng.randrange(2, len(base))]
+            msgs = [*base] if base[-1]["role"] == "user" else [*base, {"role": "user", "content": f"u{rng.randrange(3)}"}]
+            expected = _brute_force_parent(s, [normalize_message(m) for m in msgs])
+            rec = s.begin(msgs, concat=True)
+            assert rec.parent is expected
+            if rng.random() < 0.1:
+                continue  # left in flight: never a parent
+            text = f"a{rng.randrange(3)}"
+            s.complete(rec, _resp(), text)
+            convs.append([*msgs, {"role": "assistant", "content": text}])
+
+
 def test_messages_are_deep_copied():
     s = Session("t-0", "k", task_id="t", group_id="t")
     msgs = [dict(SYS), dict(USER)]

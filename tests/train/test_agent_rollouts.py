@@ -1,5 +1,6 @@
 """Trainer integration of the recording proxy (rollout.source: agent): config rules, a short
-in-process run with the example OpenAI-SDK agent (smoke), and the opt-in learning run."""
+in-process run with the example OpenAI-SDK agent (smoke) next to the same run on the tree path (the
+same data step by step), and the opt-in learning run."""
 
 from __future__ import annotations
 
@@ -44,11 +45,21 @@ def test_a_missing_workflow_is_a_clear_error(tmp_path):
         train(cfg, log=lambda m: None)
 
 
-def test_smoke_run_with_the_example_agent_through_the_proxy(tmp_path):
-    run = tmp_path / "run"
-    cfg = load_config(AGENT, [*SMOKE, f"run_dir={run}"])
-    logs: list[str] = []
-    summary = train(cfg, log=logs.append)
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """The smoke config through the proxy (``agent``) and on the tree path (``tree``):
+    ``{arm: (run_dir, summary, log lines)}``."""
+    out = {}
+    for arm in ("agent", "tree"):
+        run = tmp_path_factory.mktemp(arm) / "run"
+        logs: list[str] = []
+        summary = train(load_config(AGENT, [*SMOKE, f"rollout.source={arm}", f"run_dir={run}"]), log=logs.append)
+        out[arm] = (run, summary, logs)
+    return out
+
+
+def test_smoke_run_with_the_example_agent_through_the_proxy(smoke_runs):
+    run, summary, logs = smoke_runs["agent"]
     assert summary.steps == 2 and any("recording proxy on http://127.0.0.1:" in m for m in logs)
     rows = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
@@ -59,6 +70,22 @@ def test_smoke_run_with_the_example_agent_through_the_proxy(tmp_path):
     evals = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [2]
     assert json.loads((run / "summary.json").read_text())["last_eval"]["step"] == 2
+
+
+def test_the_agent_path_trains_on_what_the_tree_path_trains_on(smoke_runs):
+    """Seeded like the tree path's flat groups, the agent sessions sample the same turns from the
+    same policy, so both arms' steps see the same data (the learner's numbers agree to float
+    rounding: the server batches the two arms' requests differently) and end at the same eval."""
+    rows = {arm: [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] in ("train", "eval")]
+            for arm, (run, _, _) in smoke_runs.items()}
+    assert [r["step"] for r in rows["agent"]] == [r["step"] for r in rows["tree"]]
+    for a, t in zip(rows["agent"], rows["tree"]):
+        for k in ("success", "trajectories", "sampled_actions", "generated_tokens", "invalid_rate", "rows",
+                  "seq_len", "pass_at_1", "turns"):
+            assert a.get(k) == t.get(k), (a["kind"], a["step"], k, a.get(k), t.get(k))
+        for k in ("loss", "process_reward_mean", "adv_abs_mean"):
+            if k in t:
+                assert a[k] == pytest.approx(t[k], rel=1e-4, abs=1e-6), (a["step"], k)
 
 
 @pytest.mark.slow
