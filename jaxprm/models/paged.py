@@ -101,6 +101,12 @@ def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array
     return out.reshape(B, K, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
+def _gather_blocks(pool: jax.Array, rows: jax.Array) -> jax.Array:
+    """``pool [L, NB, K, bs, hd]`` viewed as ``[L NB, ...]``, rows ``layer NB + block`` (in bounds)."""
+    flat = pool.reshape(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+    return flat.at[rows].get(mode="promise_in_bounds")
+
+
 def unstack_layers(model) -> tuple[dict[str, jax.Array], ...]:
     """The decoder layers' weights as ``L`` dicts of separate arrays (``layers`` of
     ``paged_hidden_states``): ``out[i][name] = model.layers.<name>[i]``. Jit it: it copies every
@@ -153,8 +159,11 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
                 k.astype(ck.dtype), mode="drop")
             new["v"] = cv.at[i, write_block[:, :, None], jnp.arange(K), write_off[:, :, None]].set(
                 v.astype(cv.dtype), mode="drop")
-            key_blocks = new["k"][i][block_tables].astype(k.dtype)  # [B, nb, K, bs, hd]
-            value_blocks = new["v"][i][block_tables].astype(v.dtype)
+            # The rows' blocks [B, nb, K, bs, hd] of this layer, gathered from the whole pool seen as
+            # [L NB, K, bs, hd] (no slice of the layer first: XLA:CPU gathers about 2x faster so).
+            rows = (block_tables + i * NB).reshape(-1)
+            key_blocks = _gather_blocks(new["k"], rows).reshape(B, -1, K, bs, c.head_dim).astype(k.dtype)
+            value_blocks = _gather_blocks(new["v"], rows).reshape(B, -1, K, bs, c.head_dim).astype(v.dtype)
             return paged_attention(q, key_blocks, value_blocks, mask)
 
         x = _layer(c, x, p, cos, sin, attend)
