@@ -70,11 +70,20 @@ def test_matches_the_static_sampler_under_any_arrival_order(engine, prompts):
     running batch after the previous one has started decoding."""
     want = engine.sampler.generate(prompts, MIXED)
     assert_same(run(engine, prompts, MIXED), want)
-    futures, calls_before = [], engine.stats.batches
+    futures, gates, calls_before = [], [], engine.stats.batches
     for p, sp in reversed(list(zip(prompts, MIXED))):
-        started = threading.Event()
-        futures.append(engine.submit([p], [sp], on_delta=lambda d, e=started: e.set()))
-        assert started.wait(60)  # the next request joins while this one decodes
+        started, gate = threading.Event(), threading.Event()
+
+        def on_delta(d, e=started, g=gate):  # hold the engine after this request's first decode call
+            e.set()
+            g.wait(30)
+
+        futures.append(engine.submit([p], [sp], on_delta=on_delta))
+        if gates:
+            gates[-1].set()  # the previous request goes on only once this one is queued: it joins mid-batch
+        assert started.wait(60)
+        gates.append(gate)
+    gates[-1].set()
     staggered = [f.result(timeout=120)[0] for f in reversed(futures)]
     assert_same(staggered, want)
     calls = list(engine.stats.recent_batch_rows)[-(engine.stats.batches - calls_before):]
