@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["load_anchor", "best_interleaved", "hlo_copies"]
 
 
-def load_anchor(rev: str) -> ModuleType:
-    """The ``jaxprm`` learner of git revision ``rev`` as the module ``jaxprm_anchor``."""
+def load_anchor(rev: str, paths: tuple[str, ...] = ("jaxprm/__init__.py", "jaxprm/learner")) -> ModuleType:
+    """The ``jaxprm`` learner of git revision ``rev`` as the module ``jaxprm_anchor`` (``paths``:
+    the parts of ``jaxprm`` to extract; ``benchmarks.serve_decode`` takes the models and the server)."""
     out = Path(tempfile.mkdtemp(prefix="jaxprm-anchor-"))
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "jaxprm/__init__.py",
-                           "jaxprm/learner"], check=True, capture_output=True).stdout
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, *paths],
+                          check=True, capture_output=True).stdout
     (out / "src.tar").write_bytes(data)
     with tarfile.open(out / "src.tar") as tf:
         tf.extractall(out, filter="data")

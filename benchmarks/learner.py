@@ -79,7 +79,7 @@ def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, An
     from rollout.tree import TreeConfig, run_groups
 
     from jaxprm.train.config import TrainConfig
-    from jaxprm.train.loop import env_factory
+    from jaxprm.train.adapters import env_factory
 
     cfg = TrainConfig()
     r, e = cfg.rollout, cfg.env

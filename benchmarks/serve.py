@@ -224,34 +224,29 @@ def bench_hf(name: str, batches, max_tokens: int):
 
 def bench_patr(rounds: int, workdir: Path):
     from rollout.chat import PromptBuilder
-    from rollout.client import ClientConfig, GenerationClient, SamplingParams
-    from rollout.envs.frozenlake import make_tasks
-    from rollout.tree import ScorerAdapter, TreeConfig, run_groups
-    from scorers.runner import resolve_scorer_class
+    from rollout.client import GenerationClient
+    from rollout.tree import run_groups
 
+    from jaxprm.train import adapters
     from jaxprm.train.config import load_config
-    from jaxprm.train.loop import env_factory
 
     run = workdir / "patr_policy"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "jaxprm.train", f"run_dir={run}", "steps=0", "eval.at_start=false",
                     "plots=false", "progress=false"], check=True, capture_output=True, text=True)
     warm_s = time.perf_counter() - t0
+    # The trainer's own translations of the default config (tasks, env, tree, branch scorer, client).
     cfg = load_config(None, [])
     r, e, s = cfg.rollout, cfg.env, cfg.server
     model, tok = load_model(str(run / "policy"))
     ctx = model.config.max_position_embeddings
-    tasks, _ = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,), p_frozen=e.p, max_turns=e.max_turns,
-                          random_start_goal=e.random_start_goal)
-    tree = TreeConfig(strategy="patr", group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k, alpha=r.alpha,
-                      theta=r.theta, max_turns=e.max_turns, max_branches=r.max_branches or r.group_size,
-                      refill=r.refill, group_mode=r.keep,
-                      sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
-                      max_context_tokens=ctx, seed=cfg.seed)
-    scorer = ScorerAdapter(resolve_scorer_class(r.branch_scorer, where="rollout.branch_scorer")())
+    tasks, _ = adapters.tasks(cfg)
+    tree = adapters.tree_config(cfg, max_context=ctx)
+    scorer = adapters.branch_scorer(cfg)
+    env_factory = adapters.env_factory(cfg)
     out = dict(setting=dict(tasks_per_step=r.tasks_per_step, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m,
                             top_k=r.top_k, max_new_tokens=r.max_new_tokens, max_turns=e.max_turns,
-                            branch_scorer=r.branch_scorer), warm_start_s=warm_s, rounds=[])
+                            branch_scorer=r.branch_scorer.path), warm_start_s=warm_s, rounds=[])
     with ServerHandle.start(model, tok, host="127.0.0.1", port=0, model_name="jaxprm",
                             sampler_kwargs={"max_batch": s.max_batch, "max_context": ctx},
                             collect_window_s=s.batch_window_ms / 1000.0) as server:
@@ -265,13 +260,11 @@ def bench_patr(rounds: int, workdir: Path):
             engine.set_prefix_caching(cache).result(60)
             st = engine.stats
             p0, c0, q0, n0 = st.prefill_tokens, st.cached_tokens, st.prompt_tokens, engine.num_compilations
-            client_cfg = ClientConfig(endpoints=(server.url,), dialect=s.dialect, model="jaxprm",
-                                      timeout_s=s.timeout_s, max_retries=s.max_retries, max_concurrency=s.concurrency,
-                                      require_tokens=s.token_backed)
+            client_cfg = adapters.client_config(cfg, [server.url], api_key=None)
             batch = [tasks[(i * r.tasks_per_step + j) % len(tasks)] for j in range(r.tasks_per_step)]
             async with GenerationClient(client_cfg) as client:
                 t0 = time.perf_counter()
-                groups = await run_groups(batch, env_factory=env_factory(cfg), client=client,
+                groups = await run_groups(batch, env_factory=env_factory, client=client,
                                           prompts=PromptBuilder(tok), config=tree, scorer=scorer,
                                           group_seed=1000 + i)
                 wall = time.perf_counter() - t0

@@ -88,13 +88,16 @@ class Engine:
       collect_window_s / max_collect_s: when idle, wait for more arrivals (a burst starts together):
         until none came for ``collect_window_s``, at most ``max_collect_s``.
       metrics: Prometheus metrics to update (default: a fresh ``EngineMetrics``).
+      unroll_layers: decode programs run the layers unrolled over per-layer weight copies (faster
+        on XLA:CPU, slower to compile, the layers' weight memory once more; see
+        ``jaxprm.serve.programs``); ``None``: on the CPU backend.
     """
 
     def __init__(self, sampler: Sampler, *, max_batch: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, kv_cache_tokens: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, unroll_layers: bool | None = None):
         if decode_steps is None:
             n_params = sum(int(x.size) for x in jax.tree.leaves(sampler.params))
             decode_steps = AUTO_DECODE_STEPS if n_params < SMALL_MODEL_PARAMS else 1
@@ -121,7 +124,8 @@ class Engine:
         # Coarse shape buckets (x4): every bucket is a program to compile.
         chunk_buckets = tuple(c for c in (16, 64, 256, 1024, 4096) if c < prefill_chunk) + (int(prefill_chunk),)
         self.runner = ModelRunner(sampler.graphdef, sampler.rest, sampler.config, num_blocks=num_blocks,
-                                  block_size=self.block_size, cache_dtype=sampler.cache_dtype)
+                                  block_size=self.block_size, cache_dtype=sampler.cache_dtype,
+                                  unroll_layers=unroll_layers)
         self.pool = BlockPool(num_blocks)
         self.cache = PrefixCache(self.pool, self.block_size, enabled=enable_prefix_cache,
                                  version=sampler.weight_version)

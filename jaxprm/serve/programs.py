@@ -11,6 +11,12 @@ Both programs take the pool as a donated argument and return it updated in place
   token, its raw and sampling log-probs (and top-n alternatives), and stop a row at a stop token
   or when its remaining budget is spent. Inactive rows feed position -1 (nothing is written).
 
+Decode programs run the layers unrolled over per-layer copies of the weights when the runner has
+``unroll_layers`` (the default on CPU, where a scan over the stacked weights copies each layer's
+weights before every matmul: about 40% of SmolLM2-135M's decode step at batch 1; see
+``jaxprm.models.paged``); the copies are made once per weight version (``layer_weights``). Prefill
+programs are compute-bound and keep the scan (they compile faster).
+
 Static shapes: ``B`` is a batch bucket, ``nb = W / block_size`` with ``W`` a window bucket (the
 longest position in the call, rounded up), ``R`` and ``C`` prefill row / chunk buckets. One program
 exists per ``(B, W, k, top-n on/off, filtering on/off)`` and per ``(R, C, W)`` (and per model
@@ -27,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprm.models.paged import PagedKVCache, paged_hidden_states
+from jaxprm.models.paged import PagedKVCache, paged_hidden_states, unstack_layers
 from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, sample_next
 
 __all__ = ["ModelRunner", "DECODE_INPUTS", "prefill_arrays", "decode_arrays", "decode_input_shapes",
@@ -59,13 +65,13 @@ def _prefill_impl(graphdef, params, rest, pool, tokens, positions, tables):
     return pool
 
 
-def _decode_impl(graphdef, params, rest, pool, inp, *, steps: int, top_n: int, filtering: bool):
+def _decode_impl(graphdef, params, rest, layers, pool, inp, *, steps: int, top_n: int, filtering: bool):
     model = nnx.merge(graphdef, params, rest)
 
     def one(carry, _):
         pool, tok, pos, active, n_gen, remaining = carry
         fed = jnp.where(active, pos, -1)
-        hidden, pool = paged_hidden_states(model, tok[:, None], fed[:, None], pool, inp["tables"])
+        hidden, pool = paged_hidden_states(model, tok[:, None], fed[:, None], pool, inp["tables"], layers=layers)
         s = sample_next(model.logits(hidden[:, 0]), inp["temperature"], inp["top_k"], inp["top_p"],
                         inp["key_data"], n_gen, top_n=top_n, filtering=filtering)
         valid = active
@@ -85,7 +91,9 @@ def _decode_impl(graphdef, params, rest, pool, inp, *, steps: int, top_n: int, f
 # structure (the graphdef is a static argument) and pools of the same shape share compilations.
 _prefill = jax.jit(_counted(_prefill_impl), static_argnums=(0,), donate_argnums=(3,))
 _decode = jax.jit(_counted(_decode_impl), static_argnums=(0,), static_argnames=("steps", "top_n", "filtering"),
-                  donate_argnums=(3,))
+                  donate_argnums=(4,))
+_unstack = jax.jit(_counted(lambda graphdef, params, rest: unstack_layers(nnx.merge(graphdef, params, rest))),
+                   static_argnums=(0,))
 
 
 class ModelRunner:
@@ -96,15 +104,32 @@ class ModelRunner:
       config: the model config.
       num_blocks / block_size: the pool (block 0 is the null block).
       cache_dtype: pool dtype (default: the parameter dtype).
+      unroll_layers: decode with the layers unrolled over per-layer weight copies (module docstring;
+        they take the layers' weight memory once more); ``None``: on the CPU backend.
     """
 
-    def __init__(self, graphdef, rest, config, *, num_blocks: int, block_size: int, cache_dtype: Any = None):
+    def __init__(self, graphdef, rest, config, *, num_blocks: int, block_size: int, cache_dtype: Any = None,
+                 unroll_layers: bool | None = None):
         self.graphdef = graphdef
         self.rest = rest
         self.config = config
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         self.pool = PagedKVCache.init(config, self.num_blocks, self.block_size, dtype=cache_dtype)
+        self.unroll_layers = jax.default_backend() == "cpu" if unroll_layers is None else bool(unroll_layers)
+        self._layers_of = None  # the params whose per-layer copies ``_layers`` holds
+        self._layers = None
+
+    def layer_weights(self, params):
+        """The per-layer weight copies of ``params`` for unrolled decoding (made once per params
+        object, i.e. per weight version), or ``None`` when the runner does not unroll."""
+        if not self.unroll_layers:
+            return None
+        if params is not self._layers_of:
+            self._layers, self._layers_of = None, None  # drop the old copies before making new ones
+            self._layers = _unstack(self.graphdef, params, self.rest)
+            self._layers_of = params
+        return self._layers
 
     @property
     def num_compilations(self) -> int:
@@ -123,8 +148,8 @@ class ModelRunner:
                ) -> dict[str, np.ndarray]:
         """Run ``steps`` decode steps; returns host arrays ``[steps, B]`` (``token``, ``logprob``,
         ``sampling_logprob``, ``valid``; with ``top_n``: ``top_ids / top_raw / top_proc [steps, B, n]``)."""
-        self.pool, outs = _decode(self.graphdef, params, self.rest, self.pool, inputs, steps=steps, top_n=top_n,
-                                  filtering=filtering)
+        self.pool, outs = _decode(self.graphdef, params, self.rest, self.layer_weights(params), self.pool, inputs,
+                                  steps=steps, top_n=top_n, filtering=filtering)
         return jax.device_get(outs)
 
     # ahead-of-time compilation -----------------------------------------------------------------
@@ -137,8 +162,9 @@ class ModelRunner:
 
     def compile_decode(self, params, batch: int, window: int, *, steps: int, top_n: int, filtering: bool) -> None:
         """Compile the decode program for ``batch`` rows over ``window`` positions."""
-        _decode.lower(self.graphdef, params, self.rest, self.pool, decode_input_shapes(batch, window // self.block_size),
-                      steps=steps, top_n=top_n, filtering=filtering).compile()
+        _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self.pool,
+                      decode_input_shapes(batch, window // self.block_size), steps=steps, top_n=top_n,
+                      filtering=filtering).compile()
 
 
 def decode_input_shapes(batch: int, nb: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -173,7 +199,8 @@ def decode_arrays(rows, B: int, nb: int) -> tuple[dict[str, np.ndarray], int, bo
     inp = dict(
         token=np.zeros((B,), np.int32), position=np.full((B,), -1, np.int32), active=np.zeros((B,), bool),
         num_generated=np.zeros((B,), np.int32), remaining=np.zeros((B,), np.int32),
-        temperature=np.ones((B,), np.float32), top_k=np.zeros((B,), np.int32), top_p=np.ones((B,), np.float32),
+        temperature=np.zeros((B,), np.float32),  # padding rows are greedy: a greedy batch draws nothing
+        top_k=np.zeros((B,), np.int32), top_p=np.ones((B,), np.float32),
         key_data=np.zeros((B, 2), np.uint32), stop_ids=np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32),
         tables=np.zeros((B, nb), np.int32))
     top_n, filtering = 0, False

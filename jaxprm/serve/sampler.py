@@ -55,10 +55,17 @@ change the order) and reported with both log-probs.
 Randomness
 ----------
 Each row has its own PRNG key derived from its ``seed`` (and a choice index for ``n > 1``). The
-``j``-th token of a row is drawn with ``fold_in(row_key, j)`` and categorical sampling is done per
-row, so a row's tokens depend only on its seed, its prompt and the weights, not on the other rows of
-the batch (up to floating-point differences between compiled shapes). Rows without a seed get a
-fresh random one.
+``j``-th token of a row is drawn with ``fold_in(row_key, j)`` and sampling is done per row, so a
+row's tokens depend only on its seed, its prompt and the weights, not on the other rows of the batch
+(up to floating-point differences between compiled shapes). Rows without a seed get a fresh random
+one.
+
+A token is drawn by inversion in two stages (``draw_tokens``): with ``q = softmax(z'')`` cut into
+blocks of ``DRAW_BLOCK`` tokens, a first uniform picks a block with probability its mass, a second
+uniform a token within it with probability its share of the block, so ``P(token) = q[token]`` up
+to float rounding, from two uniforms per row instead of one Gumbel draw per vocabulary entry (on a
+CPU the latter costs more than the model's decode step at batch 32). A batch of greedy rows draws
+nothing, and the greedy token is the first maximal logit (``lax.top_k``, as ``argmax``).
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ __all__ = [
     "apply_top_k_top_p",
     "bucket_for",
     "sample_next",
+    "draw_tokens",
     "row_key_data",
 ]
 
@@ -101,6 +109,8 @@ DEFAULT_NEW_TOKEN_BUCKETS = tuple(2**i for i in range(4, 16))  # 16 .. 32768
 MAX_TOP_LOGPROBS = 20
 #: Number of stop-token slots per row in the compiled program (more stop ids raise an error).
 MAX_STOP_TOKEN_IDS = 32
+#: Tokens per block of the two-stage draw (``draw_tokens``).
+DRAW_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,8 +245,11 @@ def sample_next(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
     proc_lp = jax.nn.log_softmax(scaled, axis=-1)
     keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
     step_keys = jax.vmap(jax.random.fold_in)(keys, num_generated)
-    sampled = jax.vmap(lambda k, z: jax.random.categorical(k, z))(step_keys, scaled)
-    tok = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    # A batch of greedy rows draws nothing (each row's token is still decided by that row alone).
+    sampled = jax.lax.cond(jnp.any(~greedy), draw_tokens, lambda k, z: jnp.zeros(z.shape[:1], jnp.int32),
+                           step_keys, scaled)
+    first_max = jax.lax.top_k(logits, 1)[1][:, 0]  # argmax (the first maximal entry), much faster on CPU
+    tok = jnp.where(greedy, first_max, sampled).astype(jnp.int32)
     lp_raw = jnp.take_along_axis(raw_lp, tok[:, None], axis=-1)[:, 0]
     lp_proc = jnp.where(greedy, lp_raw, jnp.take_along_axis(proc_lp, tok[:, None], axis=-1)[:, 0])
     out = dict(token=tok, logprob=lp_raw, sampling_logprob=lp_proc)
@@ -245,6 +258,33 @@ def sample_next(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
         top_proc = jnp.take_along_axis(proc_lp, top_ids, axis=-1)
         out.update(top_ids=top_ids, top_raw=top_raw, top_proc=jnp.where(greedy[:, None], top_raw, top_proc))
     return out
+
+
+def draw_tokens(keys: jax.Array, logits: jax.Array, *, block: int = DRAW_BLOCK) -> jax.Array:
+    """One token per row from ``softmax(logits)``, by inversion in two stages.
+
+    ``keys``: typed PRNG keys ``[B]``; ``logits``: ``float32 [B, V]``, ``-inf`` for excluded tokens
+    (at least one finite entry per row). With ``p = exp(z - max z)`` cut into ``n = ceil(V / block)``
+    blocks (zero-padded), ``c`` the cumulative block masses and ``u1, u2`` uniform in ``(0, 1]``
+    (``jax.random.uniform(key, (2,))``): the block is the first ``i`` with ``c_i >= u1 c_n``, the
+    token the first ``j`` of that block whose cumulative mass within the block reaches ``u2`` times
+    the block's mass. So ``P(token) = P(block) P(token | block) = softmax(z)[token]`` up to float
+    rounding, and a token of probability 0 is never drawn (a rounding tie falls back to the block's
+    most probable token). Returns ``int32 [B]``.
+    """
+    chex.assert_rank([keys, logits], [1, 2])
+    B, V = logits.shape
+    n = -(-V // block)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)  # (0, 1]
+    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    p = jnp.pad(p, ((0, 0), (0, n * block - V))).reshape(B, n, block)
+    c = jnp.cumsum(jnp.sum(p, axis=-1), axis=-1)  # [B, n]
+    i = jnp.argmax(c >= u[:, :1] * c[:, -1:], axis=-1)  # first block reaching the threshold
+    inner = jnp.take_along_axis(p, i[:, None, None], axis=1)[:, 0]  # [B, block]
+    ci = jnp.cumsum(inner, axis=-1)
+    j = jnp.argmax(ci >= u[:, 1:] * ci[:, -1:], axis=-1)
+    j = jnp.where(jnp.take_along_axis(inner, j[:, None], axis=-1)[:, 0] > 0, j, jnp.argmax(inner, axis=-1))
+    return (i * block + j).astype(jnp.int32)
 
 
 def row_key_data(seed: int, choice: int) -> np.ndarray:
@@ -554,7 +594,7 @@ class Sampler:
             src = np.arange(B, dtype=np.int32)
         prompt_len = np.ones((B,), np.int32)
         max_new = np.zeros((B,), np.int32)
-        temperature = np.ones((B,), np.float32)
+        temperature = np.zeros((B,), np.float32)  # padding rows are greedy: a greedy batch draws nothing
         top_p = np.ones((B,), np.float32)
         top_k = np.zeros((B,), np.int32)
         key_data = np.zeros((B, 2), np.uint32)

@@ -1,15 +1,17 @@
 """The transformer over a paged KV pool equals the plain forward (chunked prefill, decode steps,
-shuffled block tables, rows sharing prefix blocks)."""
+shuffled block tables, rows sharing prefix blocks), with the layers scanned or unrolled over
+per-layer weight copies."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxprm.models import Transformer, tiny_config
-from jaxprm.models.paged import PagedKVCache, kv_bytes_per_token, paged_hidden_states
+from jaxprm.models.paged import PagedKVCache, kv_bytes_per_token, paged_hidden_states, unstack_layers
 
 BS = 4
 
@@ -23,13 +25,15 @@ def _plain_logits(model, tokens, positions):
     return model(tokens, positions)[0]
 
 
-@jax.jit
-def _paged_logits(model, tokens, positions, cache, tables):
-    hidden, cache = paged_hidden_states(model, tokens, positions, cache, tables)
+@jax.jit(static_argnames="unroll")
+def _paged_logits(model, tokens, positions, cache, tables, unroll=False):
+    layers = unstack_layers(model) if unroll else None
+    hidden, cache = paged_hidden_states(model, tokens, positions, cache, tables, layers=layers)
     return model.logits(hidden), cache
 
 
-def test_chunked_prefill_and_decode_over_shuffled_blocks_match_the_plain_forward():
+@pytest.mark.parametrize("unroll", [False, True])
+def test_chunked_prefill_and_decode_over_shuffled_blocks_match_the_plain_forward(unroll):
     model = _model()
     rng = np.random.default_rng(0)
     B, T = 2, 23
@@ -42,7 +46,7 @@ def test_chunked_prefill_and_decode_over_shuffled_blocks_match_the_plain_forward
     for lo, hi in ((0, 8), (8, 16)) + tuple((t, t + 1) for t in range(16, T)):  # two chunks, then decode
         pos = positions[:, lo:hi].copy()
         logits, cache = _paged_logits(model, jnp.asarray(tokens[:, lo:hi]), jnp.asarray(pos), cache,
-                                      jnp.asarray(tables))
+                                      jnp.asarray(tables), unroll=unroll)
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5, rtol=1e-5)
 

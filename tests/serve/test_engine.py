@@ -11,12 +11,13 @@ import concurrent.futures
 import threading
 import time
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxprm.serve import Engine
+from jaxprm.serve import Engine, ServerHandle
 from jaxprm.serve.sampler import Sampler, SamplingParams
 
 TEXTS = [
@@ -69,11 +70,20 @@ def test_matches_the_static_sampler_under_any_arrival_order(engine, prompts):
     running batch after the previous one has started decoding."""
     want = engine.sampler.generate(prompts, MIXED)
     assert_same(run(engine, prompts, MIXED), want)
-    futures, calls_before = [], engine.stats.batches
+    futures, gates, calls_before = [], [], engine.stats.batches
     for p, sp in reversed(list(zip(prompts, MIXED))):
-        started = threading.Event()
-        futures.append(engine.submit([p], [sp], on_delta=lambda d, e=started: e.set()))
-        assert started.wait(60)  # the next request joins while this one decodes
+        started, gate = threading.Event(), threading.Event()
+
+        def on_delta(d, e=started, g=gate):  # hold the engine after this request's first decode call
+            e.set()
+            g.wait(30)
+
+        futures.append(engine.submit([p], [sp], on_delta=on_delta))
+        if gates:
+            gates[-1].set()  # the previous request goes on only once this one is queued: it joins mid-batch
+        assert started.wait(60)
+        gates.append(gate)
+    gates[-1].set()
     staggered = [f.result(timeout=120)[0] for f in reversed(futures)]
     assert_same(staggered, want)
     calls = list(engine.stats.recent_batch_rows)[-(engine.stats.batches - calls_before):]
@@ -202,6 +212,20 @@ def test_kv_budget_waits_preempts_and_rejects(engine, prompts):
         small.pool.check_invariants()
     finally:
         small.stop()
+
+
+def test_a_request_that_can_never_fit_the_kv_pool_gets_a_400_over_http(engine, tiny):
+    """A server whose KV pool holds 64 tokens refuses a 70-token prompt with a clear 400 (the
+    OpenAI error shape) before anything runs, and stays healthy."""
+    _, tok = tiny
+    with ServerHandle.from_sampler(engine.sampler, tok, model_name="tiny", kv_cache_tokens=64) as small:
+        with httpx.Client(base_url=small.url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 8})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "KV blocks" in err["message"] and "kv_cache_bytes" in err["message"] and err["code"] == 400
+            assert http.get("/health").status_code == 200
+        assert small.engine.pool.num_referenced == 0
 
 
 def test_steady_state_never_recompiles(engine, prompts):

@@ -10,7 +10,7 @@ from flax import nnx
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxprm.serve.sampler import Sampler, SamplingParams, apply_top_k_top_p
+from jaxprm.serve.sampler import Sampler, SamplingParams, apply_top_k_top_p, draw_tokens, sample_next
 
 # Small bucket sets keep the number of compiled programs (and the test time) low.
 BUCKETS = dict(batch_buckets=(1, 4, 8), prompt_buckets=(16, 32, 64), new_token_buckets=(8, 16, 32))
@@ -300,3 +300,39 @@ def test_apply_top_k_top_p_matches_numpy(V, k, p, seed):
     want = _np_filter(z[0].astype(np.float64), k, p)
     assert np.array_equal(np.isfinite(got[0]), np.isfinite(want))
     np.testing.assert_array_equal(got[0][np.isfinite(got[0])], z[0][np.isfinite(want)])
+
+
+@jax.jit
+def _draw_many(key, z):
+    keys = jax.random.split(key, 40_000)
+    return draw_tokens(keys, jnp.broadcast_to(z, (keys.shape[0], z.shape[0])), block=64)
+
+
+def test_two_stage_draw_follows_the_distribution_and_never_draws_excluded_tokens():
+    """40,000 draws over 150 tokens (three blocks of 64, the last one padded): total variation
+    within sampling noise of softmax(z), and the excluded tokens (-inf) never come up."""
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=150).astype(np.float32) * 2
+    z[[3, 64, 100, 149]] = -np.inf
+    counts = np.bincount(np.asarray(_draw_many(jax.random.key(1), jnp.asarray(z))), minlength=150)
+    probs = np.exp(z - z[np.isfinite(z)].max())
+    probs /= probs.sum()
+    assert counts[[3, 64, 100, 149]].sum() == 0 and counts.size == 150
+    tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
+    expected_noise = 0.5 * np.sum(np.sqrt(probs * (1 - probs) / counts.sum())) * np.sqrt(2 / np.pi)
+    assert tv < 2 * expected_noise, (tv, expected_noise)
+
+
+def test_greedy_rows_take_the_first_maximal_logit_and_do_not_depend_on_sampled_rows():
+    z = jnp.asarray([[0.0, 2.0, 2.0, 1.0], [5.0, 1.0, 5.0, 5.0], [0.0, 1.0, 3.0, 2.0]], jnp.float32)
+    keys = jnp.asarray(np.arange(6, dtype=np.uint32).reshape(3, 2))
+    zeros_i = jnp.zeros((3,), jnp.int32)
+
+    def run(temperature):
+        return sample_next(z, jnp.asarray(temperature, jnp.float32), zeros_i, jnp.ones((3,)), keys, zeros_i,
+                           top_n=0, filtering=False)
+
+    greedy, mixed = run([0.0, 0.0, 0.0]), run([0.0, 0.0, 1.0])
+    assert np.asarray(greedy["token"]).tolist() == [1, 0, 2]
+    assert np.asarray(mixed["token"])[:2].tolist() == [1, 0]
+    np.testing.assert_array_equal(np.asarray(mixed["logprob"])[:2], np.asarray(greedy["logprob"])[:2])
