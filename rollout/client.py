@@ -21,7 +21,8 @@ loop's first request.
 
 Reliability: every request has a timeout; connection errors, timeouts, 408, 429 and 5xx are retried
 with bounded exponential backoff (full jitter); a request whose connection the server closed before
-answering (an idle keep-alive connection dropped just as it was reused) is sent once more at once; an ``asyncio.Semaphore`` bounds in-flight requests.
+answering (an idle keep-alive connection dropped just as it was reused) is sent once more at once;
+an ``asyncio.Semaphore`` bounds in-flight requests.
 Several endpoints are load-balanced by least outstanding requests, with sticky routing per
 ``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree; a retry
 after a failure goes to another endpoint (and re-pins the key there).
@@ -104,8 +105,8 @@ class ClientConfig:
       timeout_s: per-request timeout (connect + read), seconds.
       max_retries: retries after the first attempt for retryable failures.
       backoff_base_s / backoff_max_s: exponential backoff ``min(max, base * 2**attempt)``, full jitter.
-      max_concurrency: requests in flight at once (all endpoints together), also the number of
-        open connections.
+      max_concurrency: requests in flight at once (all endpoints together), also the most
+        connections open at once.
       require_tokens: fail with :class:`TextOnlyResponseError` on text-only responses.
     """
 

@@ -323,9 +323,9 @@ def test_a_late_body_times_out_garbage_is_retried_and_a_closed_client_refuses():
     async def go():
         async with raw_server(handler) as (url, conns):
             c = _client(url, timeout_s=0.2, max_retries=1)
-            with pytest.raises(GenerationError, match=r"after 2 attempts: ReadTimeout: no complete answer within 0.2 s"):
+            with pytest.raises(GenerationError, match=r"after 2 attempts: ReadTimeout: no complete answer within 0.2"):
                 await c.generate([7], PARAMS)
-            with pytest.raises(GenerationError, match="after 2 attempts: ClientResponseError: 400.*Bad status line") as e:
+            with pytest.raises(GenerationError, match="2 attempts: ClientResponseError: 400.*Bad status line") as e:
                 await c.generate([8], PARAMS)
             assert "\n" not in str(e.value)
             ok = await c.generate([1], PARAMS)
@@ -358,11 +358,16 @@ def test_cancellation_closes_only_the_cancelled_connection():
                 after = [await c.generate([2], PARAMS) for _ in range(2)]  # on the sibling's connection
                 assert c._outstanding[url] == 0 and c._sem._value == 4 and not c.is_closed
                 left = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
-            return kept, after, len(conns), conns[0].transport.is_closing(), left
+                for _ in range(100):  # the server sees the cancelled request's connection close
+                    if any(w.transport.is_closing() for w in conns):
+                        break
+                    await asyncio.sleep(0.02)
+                n_closed = sum(w.transport.is_closing() for w in conns)
+            return kept, after, len(conns), n_closed, left
 
-    kept, after, n_conns, doomed_closed, left = run(go())
+    kept, after, n_conns, n_closed, left = run(go())
     assert kept.attempts == 1 and [g.attempts for g in after] == [1, 1]
-    assert n_conns == 2 and doomed_closed  # the cancelled request's connection was closed, not reused
+    assert n_conns == 2 and n_closed == 1  # the cancelled request's connection was closed, not reused
     assert all("raw_server" in repr(t) or "serve" in repr(t) for t in left)
 
 
