@@ -9,8 +9,8 @@ strategy gets the same number of trajectories per group (flat: G samples; trees:
 with dead slots refilled). Reported per strategy: success rate, groups with any success, sampled
 actions, generated / prompt / prefix-shareable tokens, requests per second, and the client overhead
 per turn (synchronous rollout work: building and parsing requests, template diffs, env steps,
-bookkeeping; target < 2 ms) next to the whole client process's CPU time per turn (includes httpx and
-asyncio).
+bookkeeping; target < 2 ms) next to the whole client process's CPU time per turn (includes the HTTP
+client, aiohttp, and asyncio).
 """
 
 from __future__ import annotations

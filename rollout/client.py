@@ -15,12 +15,14 @@ sampled. Two dialects:
 A server that answers with text only raises :class:`TextOnlyResponseError` when
 ``require_tokens`` (the default; process-reward training needs token-backed turns).
 
-Transport: plain ``http://`` endpoints are called through ``rollout.http1`` (a lean keep-alive
-HTTP/1.1 client: one write per request), ``https://`` ones (or ``ClientConfig.http="httpx"``)
-through httpx.
+Transport: aiohttp (its C HTTP parser keeps the client's CPU per request low), one keep-alive
+``ClientSession`` per event loop for ``http://`` and ``https://`` endpoints alike, opened on the
+loop's first request.
 
-Reliability: every request has a timeout; connection errors, timeouts, 429 and 5xx are retried with
-bounded exponential backoff (full jitter); an ``asyncio.Semaphore`` bounds in-flight requests.
+Reliability: every request has a timeout; connection errors, timeouts, 408, 429 and 5xx are retried
+with bounded exponential backoff (full jitter); a request whose connection the server closed before
+answering (an idle keep-alive connection dropped just as it was reused) is sent once more at once;
+an ``asyncio.Semaphore`` bounds in-flight requests.
 Several endpoints are load-balanced by least outstanding requests, with sticky routing per
 ``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree; a retry
 after a failure goes to another endpoint (and re-pins the key there).
@@ -36,9 +38,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
+import aiohttp
 
-from rollout.http1 import Http1Error, Http1Pool, supports
 from rollout.types import ModelResponse
 
 __all__ = [
@@ -49,11 +50,9 @@ __all__ = [
     "TextOnlyResponseError",
     "Generated",
     "DIALECTS",
-    "HTTP_CLIENTS",
 ]
 
 DIALECTS = ("vllm", "sglang")
-HTTP_CLIENTS = ("auto", "httpx")
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
@@ -61,7 +60,9 @@ _FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 
 class GenerationError(RuntimeError):
     """A request failed for good (non-retryable status, bad response, or retries exhausted);
-    ``status`` is the last HTTP status, if the server answered."""
+    ``status`` is the last HTTP status, if the server answered. The message names the last failure:
+    ``HTTP <status>: <body>``, ``ConnectError: ...`` (the endpoint could not be reached),
+    ``ReadTimeout: ...`` (no complete answer within ``timeout_s``) or the transport's error."""
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
@@ -104,12 +105,9 @@ class ClientConfig:
       timeout_s: per-request timeout (connect + read), seconds.
       max_retries: retries after the first attempt for retryable failures.
       backoff_base_s / backoff_max_s: exponential backoff ``min(max, base * 2**attempt)``, full jitter.
-      max_concurrency: requests in flight at once (all endpoints together).
-      connections_per_pool: connections per HTTP pool; ``ceil(max_concurrency / this)`` pools are used.
+      max_concurrency: requests in flight at once (all endpoints together), also the most
+        connections open at once.
       require_tokens: fail with :class:`TextOnlyResponseError` on text-only responses.
-      http: ``"auto"`` (plain ``http://`` endpoints go through the lean keep-alive client of
-        ``rollout.http1``, one write per request, about a tenth of httpx's Python work; ``https://``
-        through httpx) or ``"httpx"`` (always httpx).
     """
 
     endpoints: tuple[str, ...]
@@ -121,9 +119,7 @@ class ClientConfig:
     backoff_base_s: float = 0.05
     backoff_max_s: float = 2.0
     max_concurrency: int = 64
-    connections_per_pool: int = 8
     require_tokens: bool = True
-    http: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.endpoints, str):
@@ -140,10 +136,6 @@ class ClientConfig:
             raise ValueError(f"max_retries={self.max_retries}; must be >= 0")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency}; must be >= 1")
-        if self.connections_per_pool < 1:
-            raise ValueError(f"connections_per_pool={self.connections_per_pool}; must be >= 1")
-        if self.http not in HTTP_CLIENTS:
-            raise ValueError(f"http={self.http!r}; allowed: {HTTP_CLIENTS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,27 +155,23 @@ class GenerationClient:
 
     Counters (``stats()``): requests, retries, failures, prompt tokens sent, generated tokens.
     Counters and the routing table are the only state shared between concurrent callers; both are
-    touched only from the event loop thread, between awaits.
+    touched only from the event loop thread, between awaits. HTTP goes through one aiohttp
+    ``ClientSession`` per event loop (opened by the loop's first request, all closed by
+    :meth:`aclose`): at most ``max_concurrency`` keep-alive connections, ``timeout_s`` per request
+    (connect, send and the whole answer), no cookies, redirects or proxy variables. Close the client
+    on the loop that used it last: the connections of a loop that has already ended can no longer be
+    closed cleanly (the garbage collector closes their sockets).
     """
 
-    def __init__(self, config: ClientConfig, *, transport: httpx.AsyncBaseTransport | None = None,
-                 rng: random.Random | None = None):
+    # Idle connections are closed after this many seconds: below uvicorn's default keep-alive (5 s,
+    # also vLLM's and SGLang's), so that the client, not the server, closes an idle connection.
+    KEEPALIVE_S = 4.0
+
+    def __init__(self, config: ClientConfig, *, rng: random.Random | None = None):
         self.config = config
-        # httpcore's pool bookkeeping costs O(connections x waiting requests) per event, so many
-        # small pools (connections_per_pool each) are much cheaper than one big one at high concurrency.
-        n_pools = max(1, -(-config.max_concurrency // config.connections_per_pool))
-        per_pool = min(config.connections_per_pool, config.max_concurrency)
-        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
-        ssl_ctx = httpx.create_ssl_context()  # built once, shared by the pools
-        self._pools = [httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits, transport=transport,
-                                         headers=headers, verify=ssl_ctx) for _ in range(n_pools)]
-        self._pool_load = [0] * n_pools
-        # The lean client per endpoint (``ClientConfig.http``); an injected httpx transport keeps httpx.
-        self._lean: dict[str, Http1Pool] | None = None
-        if config.http == "auto" and transport is None and all(supports(e) for e in config.endpoints):
-            self._lean = {e: Http1Pool(e, max_connections=config.max_concurrency, headers=headers,
-                                       timeout_s=config.timeout_s) for e in config.endpoints}
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._closed = False
         self._sem = asyncio.Semaphore(config.max_concurrency)
         self._outstanding = {e: 0 for e in config.endpoints}
         self._sticky: dict[str, str] = {}
@@ -197,18 +185,34 @@ class GenerationClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
-        for lean in (self._lean or {}).values():
-            await lean.aclose()
+        """Close every session (their connections); later requests fail with :class:`GenerationError`."""
+        self._closed = True
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
 
     @property
     def is_closed(self) -> bool:
-        """Whether :meth:`aclose` has run (every connection pool closed)."""
-        return all(p.is_closed for p in self._pools) and all(p.is_closed for p in (self._lean or {}).values())
+        """Whether :meth:`aclose` has run (every session closed)."""
+        return self._closed
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
+
+    async def _session(self) -> aiohttp.ClientSession:
+        """The running loop's session (opened on first use; sessions of closed loops are closed)."""
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is not None:
+            return session
+        for ended in [lp for lp in self._sessions if lp.is_closed()]:
+            await self._sessions.pop(ended).close()
+        cfg = self.config
+        connector = aiohttp.TCPConnector(limit=cfg.max_concurrency, keepalive_timeout=self.KEEPALIVE_S)
+        session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+                                        headers=self._headers, cookie_jar=aiohttp.DummyCookieJar())
+        self._sessions[loop] = session
+        return session
 
     # ------------------------------------------------------------------ routing
 
@@ -313,39 +317,29 @@ class GenerationClient:
         attempt = 0
         http_s = 0.0
         last_err = ""
+        if self._closed:
+            raise GenerationError(f"{ep}{path}: the generation client is closed")
+        session = await self._session()
         while True:
             self._outstanding[ep] = self._outstanding.get(ep, 0) + 1
             self._stats["requests"] += 1
             t0 = time.perf_counter()
             status = None
-            if self._lean is not None:
-                try:
-                    resp = await self._lean[ep].request(method, path, payload)
-                    status = resp.status
-                except Http1Error as e:
-                    last_err = f"{type(e).__name__}: {e}"
-                finally:
-                    http_s += time.perf_counter() - t0
-                    self._outstanding[ep] -= 1
-            else:
-                k = min(range(len(self._pools)), key=self._pool_load.__getitem__)
-                self._pool_load[k] += 1
-                try:
-                    if method == "GET":
-                        resp = await self._pools[k].get(ep + path)
-                    else:
-                        resp = await self._pools[k].post(ep + path, content=payload, headers=_JSON_HEADERS)
-                    status = resp.status_code
-                except (httpx.TransportError, httpx.TimeoutException) as e:
-                    last_err = f"{type(e).__name__}: {e}"
-                finally:
-                    http_s += time.perf_counter() - t0
-                    self._outstanding[ep] -= 1
-                    self._pool_load[k] -= 1
+            try:
+                status, content = await self._exchange(session, method, ep + path, payload)
+            except TimeoutError as e:  # aiohttp's timeouts are TimeoutErrors too
+                last_err = f"ReadTimeout: no complete answer within {cfg.timeout_s} s{f' ({e})' if str(e) else ''}"
+            except aiohttp.ClientConnectorError as e:
+                last_err = f"ConnectError: {e}"
+            except aiohttp.ClientError as e:
+                last_err = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
+            finally:
+                http_s += time.perf_counter() - t0
+                self._outstanding[ep] -= 1
             if status == 200:
-                return resp.content, ep, attempt + 1, http_s
+                return content, ep, attempt + 1, http_s
             if status is not None:
-                last_err = f"HTTP {status}: {resp.text[:300]}"
+                last_err = f"HTTP {status}: {content[:300].decode('utf-8', 'replace')}"
                 if status not in _RETRY_STATUS:
                     self._stats["failures"] += 1
                     raise GenerationError(f"{ep}{path} failed: {last_err}", status=status)
@@ -358,6 +352,26 @@ class GenerationClient:
             attempt += 1
             if endpoint is None:
                 ep = self._failover(ep, route_key)
+
+    @staticmethod
+    async def _exchange(session: aiohttp.ClientSession, method: str, url: str,
+                        payload: bytes | None) -> tuple[int, bytes]:
+        """One HTTP exchange: ``(status, body)``. A connection that closed before the answer's head
+        arrived (the server dropped an idle keep-alive connection just as it was reused) gets the
+        request once more, at once; aiohttp does that itself for idempotent methods only. A failure
+        while the body is read (or a cancellation) closes that connection; nothing else is touched."""
+        headers = _JSON_HEADERS if payload is not None else None
+        try:
+            resp = await session.request(method, url, data=payload, headers=headers, allow_redirects=False)
+        except aiohttp.ClientConnectionError as e:
+            if isinstance(e, (aiohttp.ClientConnectorError, TimeoutError)):
+                raise
+            resp = await session.request(method, url, data=payload, headers=headers, allow_redirects=False)
+        try:
+            return resp.status, await resp.read()  # read() hands the connection back to the pool
+        except BaseException:
+            resp.close()
+            raise
 
     # ------------------------------------------------------------------ server control
 

@@ -1,6 +1,12 @@
-"""The generation client against a real scripted HTTP server on 127.0.0.1 (both dialects, faults)."""
+"""The generation client against real HTTP servers on 127.0.0.1: the scripted uvicorn server (both
+dialects, faults) and raw asyncio servers that count connections, drop them, answer late or with
+garbage (the transport's keep-alive, limit, timeout and cancellation behaviour)."""
 
 import asyncio
+import contextlib
+import gc
+import socket
+import warnings
 
 import numpy as np
 import pytest
@@ -104,8 +110,6 @@ def test_timeout_exhausts_retries(serve, tok):
 
 
 def test_connection_refused_is_retried_then_fails():
-    import socket
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -114,17 +118,15 @@ def test_connection_refused_is_retried_then_fails():
         run(_one(f"http://127.0.0.1:{port}", "vllm", [1], max_retries=2, backoff_base_s=0.001))
 
 
-@pytest.mark.parametrize("limit,per_pool", [(3, 8), (6, 2)])
-def test_concurrency_limit(serve, tok, limit, per_pool):
+@pytest.mark.parametrize("limit", [1, 3])
+def test_concurrency_limit(serve, tok, limit):
     script = ServerScript(policy=fixed_text_policy(tok, "ok"), delay_s=0.05)
     srv = serve(script)
 
     async def go():
-        cfg = ClientConfig(endpoints=(srv.url,), max_concurrency=limit, connections_per_pool=per_pool)
-        async with GenerationClient(cfg) as c:
-            assert len(c._pools) == -(-limit // per_pool)
+        async with GenerationClient(ClientConfig(endpoints=(srv.url,), max_concurrency=limit)) as c:
             await asyncio.gather(*[c.generate([i + 1], PARAMS) for i in range(4 * limit)])
-            assert c._pool_load == [0] * len(c._pools)
+            assert c._outstanding[srv.url] == 0 and c._sem._value == limit
 
     run(go())
     assert script.requests == 4 * limit and script.max_inflight == limit
@@ -186,8 +188,6 @@ def test_cancellation_releases_everything(serve, tok):
 
 
 def test_retry_fails_over_to_another_endpoint(serve, tok):
-    import socket
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -203,3 +203,182 @@ def test_retry_fails_over_to_another_endpoint(serve, tok):
     gens, pinned = run(go())
     assert pinned == live.url and [g.endpoint for g in gens] == [live.url] * 3
     assert gens[0].attempts == 2 and gens[1].attempts == 1 and script.requests == 3
+
+
+# ---------------------------------------------------------------------- the transport, on raw servers
+
+ANSWER = (b'{"text": "ok", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"}, '
+          b'"output_token_logprobs": [[-0.5, 5, null]]}}')
+
+
+def _ok(writer) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(ANSWER), ANSWER))
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler):
+    """An HTTP/1.1 server on 127.0.0.1 written on asyncio streams, on the test's loop.
+    ``await handler(head, body, writer, n) -> keep`` answers the ``n``-th request of a connection
+    (``keep`` False: close it). Yields ``(url, writers)``, one writer per accepted connection."""
+    writers, tasks = [], set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        writers.append(writer)
+        tasks.add(asyncio.current_task())
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length) if length else b""
+                keep = await handler(head, body, writer, n)
+                await writer.drain()
+                n += 1
+                if not keep:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client went away, or the test is over
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", writers
+    finally:
+        server.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+def _client(url, **cfg):
+    return GenerationClient(ClientConfig(endpoints=(url,), dialect="sglang", backoff_base_s=0.001, **cfg))
+
+
+def test_keep_alive_reuses_connections_up_to_the_limit_and_sends_the_headers():
+    seen = []
+
+    async def handler(head, body, writer, n):
+        seen.append((head, body))
+        await asyncio.sleep(0.02)
+        _ok(writer)
+        return True
+
+    async def go():
+        async with raw_server(handler) as (url, conns):
+            async with _client(url, max_concurrency=3, api_key="k") as c:
+                gens = await asyncio.gather(*[c.generate([i + 1], PARAMS) for i in range(12)])
+                await c.check_health()
+            return gens, len(conns)
+
+    gens, n_conns = run(go())
+    assert [g.response.output_tokens.tolist() for g in gens] == [[5]] * 12 and n_conns == 3
+    head, body = seen[0]
+    assert head.startswith(b"POST /generate HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in head
+    assert b"Content-Type: application/json\r\n" in head and b'"input_ids":[' in body
+    assert seen[-1][0].startswith(b"GET /health HTTP/1.1\r\n") and seen[-1][1] == b""
+
+
+def test_a_connection_dropped_as_it_is_reused_is_sent_once_more_a_cut_answer_is_an_error():
+    async def handler(head, body, writer, n):
+        if b'"input_ids":[9]' in body:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nonly a part")
+            return False
+        _ok(writer)
+        return True
+
+    async def go():
+        async with raw_server(handler) as (url, conns):
+            async with _client(url, max_retries=0) as c:
+                first = await c.generate([1], PARAMS)
+                conns[0].transport.abort()  # the server drops the idle connection ...
+                await asyncio.sleep(0.05)
+                later = await c.generate([1], PARAMS)  # ... the client saw it: a new connection
+                conns[1].transport.abort()  # dropped just as it is reused (the client has not seen it yet):
+                racing = await c.generate([1], PARAMS)  # sent once more, on a fresh connection, no retry
+                with pytest.raises(GenerationError, match="after 1 attempts: ClientPayloadError"):
+                    await c.generate([9], PARAMS)  # a cut answer is not resent (max_retries=0)
+                return [first, later, racing], c.stats(), len(conns)
+
+    gens, stats, n_conns = run(go())
+    assert [g.attempts for g in gens] == [1, 1, 1] and stats["retries"] == 0 and n_conns == 3
+
+
+def test_a_late_body_times_out_garbage_is_retried_and_a_closed_client_refuses():
+    async def handler(head, body, writer, n):
+        if b'"input_ids":[7]' in body:  # the head at once, the body too late
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n{")
+            await writer.drain()
+            await asyncio.sleep(1.0)
+            return False
+        if b'"input_ids":[8]' in body:
+            writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+            return False
+        _ok(writer)
+        return True
+
+    async def go():
+        async with raw_server(handler) as (url, conns):
+            c = _client(url, timeout_s=0.2, max_retries=1)
+            with pytest.raises(GenerationError, match=r"after 2 attempts: ReadTimeout: no complete answer within 0.2"):
+                await c.generate([7], PARAMS)
+            with pytest.raises(GenerationError, match="2 attempts: ClientResponseError: 400.*Bad status line") as e:
+                await c.generate([8], PARAMS)
+            assert "\n" not in str(e.value)
+            ok = await c.generate([1], PARAMS)
+            await c.aclose()
+            assert c.is_closed
+            with pytest.raises(GenerationError, match="the generation client is closed"):
+                await c.generate([1], PARAMS)
+            return ok, c.stats(), len(conns)
+
+    ok, stats, n_conns = run(go())
+    assert ok.attempts == 1 and stats["requests"] == 5 and stats["failures"] == 2 and n_conns == 5
+
+
+def test_cancellation_closes_only_the_cancelled_connection():
+    async def handler(head, body, writer, n):
+        await asyncio.sleep(0.3 if b'"input_ids":[1]' in body else 0.0)
+        _ok(writer)
+        return True
+
+    async def go():
+        async with raw_server(handler) as (url, conns):
+            async with _client(url, max_concurrency=4) as c:
+                doomed = asyncio.create_task(c.generate([1], PARAMS))
+                sibling = asyncio.create_task(c.generate([1], PARAMS))
+                await asyncio.sleep(0.1)
+                doomed.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await doomed
+                kept = await sibling  # the other request on the shared session is untouched
+                after = [await c.generate([2], PARAMS) for _ in range(2)]  # on the sibling's connection
+                assert c._outstanding[url] == 0 and c._sem._value == 4 and not c.is_closed
+                left = {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+                for _ in range(100):  # the server sees the cancelled request's connection close
+                    if any(w.transport.is_closing() for w in conns):
+                        break
+                    await asyncio.sleep(0.02)
+                n_closed = sum(w.transport.is_closing() for w in conns)
+            return kept, after, len(conns), n_closed, left
+
+    kept, after, n_conns, n_closed, left = run(go())
+    assert kept.attempts == 1 and [g.attempts for g in after] == [1, 1]
+    assert n_conns == 2 and n_closed == 1  # the cancelled request's connection was closed, not reused
+    assert all("raw_server" in repr(t) or "serve" in repr(t) for t in left)
+
+
+def test_one_session_per_event_loop(serve, tok):
+    srv = serve(ServerScript(policy=fixed_text_policy(tok, "ok")))
+    c = GenerationClient(ClientConfig(endpoints=(srv.url,)))  # built outside any loop
+    with warnings.catch_warnings():  # the idle connections of an ended loop are closed by the GC
+        warnings.simplefilter("ignore", ResourceWarning)
+        first = run(c.generate([1], PARAMS))
+        second = run(c.generate([2], PARAMS))  # a new loop: a new session (the ended loop's is closed)
+        assert first.text == second.text == "ok" and len(c._sessions) == 1
+        run(c.aclose())
+        assert c.is_closed and not c._sessions
+        gc.collect()
