@@ -1,7 +1,7 @@
 """Embedded OpenAI / vLLM / SGLang compatible generation server.
 
-Layers, bottom up: ``sampler`` (weights, versions, the sampling function; a static batched
-generator), ``programs`` (compiled prefill / decode over the paged KV pool), ``kv_pool`` and
+Layers, bottom up: ``sampling`` (what a row samples: parameters, distribution, draw, log-probs),
+``sampler`` (weights, versions; a static batched generator), ``programs`` (compiled prefill / decode over the paged KV pool), ``kv_pool`` and
 ``prefix_cache`` (block bookkeeping, the radix tree), ``scheduler`` (continuous batching), ``engine``
 (the worker thread), ``serving`` + the dialect routers + ``app`` (HTTP), ``handle`` (in-process).
 

@@ -42,8 +42,8 @@ from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.prefix_cache import PrefixCache
 from jaxprm.serve.requests import EngineFuture, EngineStats, Request, RowDelta, completion
 from jaxprm.serve.programs import ModelRunner, decode_arrays, prefill_arrays
-from jaxprm.serve.sampler import (MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, Sampler, SamplingParams,
-                                  bucket_for, row_key_data)
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for, row_key_data
 from jaxprm.serve.scheduler import Scheduler, Sequence as Seq, Status
 
 __all__ = ["Engine", "EngineStats", "EngineFuture", "RowDelta", "BatchingEngine", "DEFAULT_KV_CACHE_BYTES"]

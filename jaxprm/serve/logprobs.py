@@ -10,7 +10,6 @@ overflow) is reported as the floor or 0, never as a non-number.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 __all__ = ["LOGPROB_FLOOR", "finite_logprob", "select_logprobs"]

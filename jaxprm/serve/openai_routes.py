@@ -30,7 +30,7 @@ from jaxprm.serve.errors import APIError
 from jaxprm.serve.openapi import errors
 from jaxprm.serve.protocol import ChatCompletionRequest, CompletionRequest
 from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, CompletionResponse, ModelList
-from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
+from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
 

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprm.models.paged import PagedKVCache, paged_hidden_states, unstack_layers
-from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, sample_next
+from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, sample_next
 
 __all__ = ["ModelRunner", "DECODE_INPUTS", "prefill_arrays", "decode_arrays", "decode_input_shapes",
            "num_compilations"]

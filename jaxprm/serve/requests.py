@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from jaxprm.serve.sampler import Completion
+from jaxprm.serve.sampling import Completion
 from jaxprm.serve.scheduler import Sequence
 
 if TYPE_CHECKING:

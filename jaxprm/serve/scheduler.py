@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxprm.serve.kv_pool import BlockPool
 from jaxprm.serve.prefix_cache import PrefixCache
-from jaxprm.serve.sampler import SamplingParams, bucket_for
+from jaxprm.serve.sampling import SamplingParams, bucket_for
 
 __all__ = ["Status", "Sequence", "Scheduler", "PrefillPlan"]
 

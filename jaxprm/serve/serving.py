@@ -26,7 +26,8 @@ from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineFuture, Ro
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.metrics import EngineMetrics
-from jaxprm.serve.sampler import MAX_STOP_TOKEN_IDS, Completion, Sampler, SamplingParams
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, Completion, SamplingParams
 from jaxprm.serve.weights import resolve_roots
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]

@@ -30,7 +30,7 @@ from jaxprm.serve.openapi import errors
 from jaxprm.serve.protocol import GenerateRequest, PauseGenerationRequest, UpdateWeightsFromDiskRequest
 from jaxprm.serve.responses import (EVENT_STREAM, ContinueResult, FlushResult, GenerateOutput, ModelInfo, PauseResult,
                                     UpdateWeightsFailure, UpdateWeightsResult, WeightVersion)
-from jaxprm.serve.sampler import MAX_TOP_LOGPROBS
+from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.weights import LOAD_FAILED, check_version_order, parse_version, weights_path
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse

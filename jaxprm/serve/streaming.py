@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from jaxprm.serve.logprobs import select_logprobs
-from jaxprm.serve.sampler import Completion
+from jaxprm.serve.sampling import Completion
 
 __all__ = ["RowText", "Piece", "pieces", "sse", "SSE_DONE", "SSE_HEADERS", "finish_of"]
 

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxprm.serve import Engine, ServerHandle
-from jaxprm.serve.sampler import Sampler, SamplingParams
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.sampling import SamplingParams
 
 TEXTS = [
     "You are walking on a frozen lake. The goal is to reach the gift without falling into a hole.",

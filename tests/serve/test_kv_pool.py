@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jaxprm.serve.kv_pool import BlockPool
 from jaxprm.serve.prefix_cache import PrefixCache
-from jaxprm.serve.sampler import SamplingParams
+from jaxprm.serve.sampling import SamplingParams
 from jaxprm.serve.scheduler import Scheduler, Sequence, Status
 
 BS = 4

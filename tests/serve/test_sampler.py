@@ -10,7 +10,8 @@ from flax import nnx
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxprm.serve.sampler import Sampler, SamplingParams, apply_top_k_top_p, draw_tokens, sample_next
+from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.sampling import SamplingParams, apply_top_k_top_p, draw_tokens, sample_next
 
 # Small bucket sets keep the number of compiled programs (and the test time) low.
 BUCKETS = dict(batch_buckets=(1, 4, 8), prompt_buckets=(16, 32, 64), new_token_buckets=(8, 16, 32))

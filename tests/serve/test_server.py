@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxprm.serve.sampler import SamplingParams
+from jaxprm.serve.sampling import SamplingParams
 
 PROMPT = "You are walking on a frozen lake."
 
