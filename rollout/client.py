@@ -403,6 +403,10 @@ class GenerationClient:
                 parse(json.loads(data), require_tokens=True)
             except (GenerationError, ValueError, KeyError, TypeError) as e:
                 detail = " ".join(str(e).split())[:300]
+                unanswered = isinstance(e, GenerationError) and not isinstance(e, TextOnlyResponseError)
+                if unanswered and e.status is None:  # a timeout or a lost connection is not a refusal
+                    raise GenerationError(f"the generation server {ep} did not answer a one-token token-id "
+                                          f"request: {detail}") from None
                 raise GenerationError(
                     f"the generation server {ep} does not accept token-in/token-out requests ({self.config.dialect} "
                     f"dialect: a prompt of token ids, token ids and log-probs in the answer): {detail}. Training "

@@ -25,7 +25,15 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 import numpy as np
+
+from jaxprm.train.adapters import prm_config
+from jaxprm.train.setup import TrainError
+from rollout.export import FILTERS
+from rollout.proxy import ProxyConfig, ProxyServer
+from rollout.proxy.workflow import resolve_workflow, run_agent_group
+from scorers import MetricsAccumulator
 
 __all__ = ["AgentRollouts", "AgentStep"]
 
@@ -49,14 +57,6 @@ class AgentRollouts:
         self.http = None
 
     async def start(self) -> None:
-        import httpx
-
-        from rollout.proxy import ProxyConfig, ProxyServer
-        from rollout.proxy.workflow import resolve_workflow
-
-        from jaxprm.train.adapters import prm_config
-        from jaxprm.train.setup import TrainError
-
         ag = self.cfg.agent
         try:
             self.workflow = resolve_workflow(ag.workflow)
@@ -87,10 +87,6 @@ class AgentRollouts:
 
     async def rollout(self, tasks: Sequence[Any], step: int) -> AgentStep:
         """Run one group per task (see the module docstring)."""
-        from rollout.export import FILTERS
-        from rollout.proxy.workflow import run_agent_group
-        from scorers import MetricsAccumulator
-
         cfg, ag = self.cfg, self.cfg.agent
         proxy, base_url = self.server.proxy, self.server.base_url
         outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import jaxprm
 from rollout.export import export_groups_packed
@@ -37,7 +36,6 @@ __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_
 
 MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
-_SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
 
 
 def packed_step_inputs(packed: PackedBatch, batch, advantages: jax.Array, *, agg: str) -> dict[str, jax.Array]:
@@ -61,14 +59,6 @@ def packed_row_buckets(multiple: int, largest: int = 1 << 12) -> tuple[int, ...]
         out.append(k * multiple)
         k *= 2
     return tuple(out)
-
-
-def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
-    mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
-    for key in (*_ADV_KEYS, "row_leaves"):
-        v = mb[key]
-        mb[key] = v * valid.reshape((-1,) + (1,) * (v.ndim - 1)).astype(v.dtype)
-    return mb
 
 
 class PackedTrainStep(TrainStep):
@@ -98,74 +88,23 @@ class PackedTrainStep(TrainStep):
         cap = max(1, self.microbatch_tokens // L)
         return max(d for d in range(1, mb_rows + 1) if mb_rows % d == 0 and d <= cap)
 
-    def _step(self, state: TrainState, data: dict, rng: jax.Array):
-        self.compiles += 1  # trace time only
-        R, L = data["tokens"].shape
-        n_mb = self.num_minibatches
-        if R % n_mb:
-            raise ValueError(f"packed rows {R} not divisible by ppo.num_minibatches={n_mb}")
-        mb_rows = R // n_mb
-        real = data["row_weights"] > 0
-        n_real = real.sum().astype(jnp.int32)
-        micro = self._micro_rows(mb_rows, L)
-        n_micro = mb_rows // micro
-        kw = dict(self.loss_kwargs)
-        per_seq = kw.get("agg", "token-mean") != "token-mean"
+    def _minibatch(self, data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+        mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
+        for key in (*_ADV_KEYS, "row_leaves"):
+            v = mb[key]
+            mb[key] = v * valid.reshape((-1,) + (1,) * (v.ndim - 1)).astype(v.dtype)
+        return mb
 
-        def micro_objective(params, mc, denom):
-            logits = self.apply_fn(params, mc["tokens"], mc["positions"], query_blocks=mc["query_blocks"],
-                                   key_blocks=mc["key_blocks"])
-            logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
-            adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
-            loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **kw)
-            return loss * jnp.maximum(metrics["loss_count"], 1.0) / denom, metrics
+    def _counts(self, mb: dict) -> tuple[jax.Array, jax.Array]:
+        # (token, leaf) pairs and leaves with an active token: the flat rows' denominators
+        return mb["count"].sum(), mb["row_leaves"].sum()
 
-        grad_fn = jax.grad(micro_objective, has_aux=True)
-
-        def mb_update(carry, xs):
-            params, opt_state = carry
-            order, k = xs
-            mb = _minibatch(data, order, n_real, k, mb_rows, n_mb)
-            pairs = mb["count"].sum()
-            denom = jnp.maximum(mb["row_leaves"].sum() if per_seq else pairs, 1.0)
-            chunks = jax.tree.map(lambda v: v.reshape((n_micro, micro) + v.shape[1:]), mb)
-
-            def acc(carry2, mc):
-                g_acc, s_acc = carry2
-                g, met = grad_fn(params, mc, denom)
-                return (jax.tree.map(jnp.add, g_acc, g), {key: s_acc[key] + met[key] for key in s_acc}), None
-
-            zeros_g = jax.tree.map(jnp.zeros_like, params)
-            zeros_s = {key: jnp.zeros((), jnp.float32) for key in _SUM_KEYS}
-            (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), chunks)
-            gnorm = optax.global_norm(grads)
-            updates, new_opt = self.optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            active = pairs > 0
-            keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
-            params = jax.tree.map(keep, new_params, params)
-            opt_state = jax.tree.map(keep, new_opt, opt_state)
-            nv = jnp.maximum(sums["n_valid_tokens"], 1.0)
-            out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
-                   "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
-                   "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
-                   "active": active.astype(jnp.float32), "tokens": pairs}
-            return (params, opt_state), out
-
-        def epoch(carry, key):
-            u = jax.random.uniform(key, (R,))
-            order = jnp.argsort(jnp.where(real, u, 2.0))
-            return jax.lax.scan(mb_update, carry, (jnp.broadcast_to(order, (n_mb, R)), jnp.arange(n_mb)))
-
-        keys = jax.random.split(rng, self.epochs)
-        (params, opt_state), outs = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
-        w = outs["active"]
-        denom = jnp.maximum(w.sum(), 1.0)
-        metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "tokens")}
-        metrics["updates"] = w.sum()
-        metrics["behavior_kl"] = outs["approx_kl"][0, 0]
-        metrics["trained_tokens"] = outs["tokens"].sum() / self.epochs
-        return TrainState(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    def _micro_loss(self, params: Any, mc: dict):
+        logits = self.apply_fn(params, mc["tokens"], mc["positions"], query_blocks=mc["query_blocks"],
+                               key_blocks=mc["key_blocks"])
+        logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
+        adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
+        return packed_policy_loss(logp, mc["old_logprobs"], adv, **self.loss_kwargs)
 
 
 def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:

@@ -140,12 +140,6 @@ def minibatch_rows(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array
     return {name: jnp.take(v, idx, axis=0) for name, v in data.items()}, valid
 
 
-def _minibatch(data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
-    mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
-    mb["loss_mask"] = mb["loss_mask"] * valid[:, None].astype(mb["loss_mask"].dtype)
-    return mb
-
-
 class TrainStep:
     """Builds and owns the jitted PPO step.
 
@@ -209,6 +203,36 @@ class TrainStep:
         return NamedSharding(self.mesh, P(("data", "fsdp")))
 
     # -- the step ----------------------------------------------------------------------------
+    # The hooks below are what a row layout changes (``PackedTrainStep`` overrides them); ``_step``
+    # is the one epochs x minibatches x microbatches loop both layouts share.
+    SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
+
+    def _micro_rows(self, mb_rows: int, T: int) -> int:
+        """Rows per gradient-accumulation chunk (a divisor of ``mb_rows``)."""
+        micro = mb_rows if not self.microbatch_rows else min(self.microbatch_rows, mb_rows)
+        if mb_rows % micro:
+            raise ValueError(f"minibatch rows {mb_rows} not divisible by ppo.microbatch_rows={micro}")
+        return micro
+
+    def _minibatch(self, data: dict, order: jax.Array, n_real: jax.Array, k: jax.Array, mb_rows: int, n_mb: int) -> dict:
+        """Minibatch ``k``'s rows (see :func:`minibatch_rows`), slots without a real row masked out."""
+        mb, valid = minibatch_rows(data, order, n_real, k, mb_rows, n_mb)
+        mb["loss_mask"] = mb["loss_mask"] * valid[:, None].astype(mb["loss_mask"].dtype)
+        return mb
+
+    def _counts(self, mb: dict) -> tuple[jax.Array, jax.Array]:
+        """``(active tokens, active sequences)`` of a minibatch: the ``token-mean`` and the
+        seq-mean denominators."""
+        mask = mb["loss_mask"]
+        return mask.sum(), (mask.sum(axis=1) > 0).sum()
+
+    def _micro_loss(self, params: Any, mc: dict):
+        """``loss_fn`` on one microbatch: forward, per-token log-probs, ``(loss, metrics)``."""
+        tokens = mc["tokens"]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logp = self.logprob_fn(self.apply_fn(params, tokens, positions), tokens)
+        return self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+
     def _step(self, state: TrainState, data: dict, rng: jax.Array):
         self.compiles += 1  # runs at trace time only
         B, T = data["tokens"].shape
@@ -218,19 +242,13 @@ class TrainStep:
         mb_rows = B // n_mb
         real = data["row_weights"] > 0
         n_real = real.sum().astype(jnp.int32)
-
-        micro = mb_rows if not self.microbatch_rows else min(self.microbatch_rows, mb_rows)
-        if mb_rows % micro:
-            raise ValueError(f"minibatch rows {mb_rows} not divisible by ppo.microbatch_rows={micro}")
+        micro = self._micro_rows(mb_rows, T)
         n_micro = mb_rows // micro
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (micro, T))
         per_seq = self.loss_kwargs.get("agg", "token-mean") != "token-mean"
 
         def micro_objective(params, mc, denom):
             # loss_i * count_i / denom summed over microbatches == the minibatch's aggregated loss
-            logits = self.apply_fn(params, mc["tokens"], positions)
-            logp = self.logprob_fn(logits, mc["tokens"])
-            loss, metrics = self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+            loss, metrics = self._micro_loss(params, mc)
             return loss * jnp.maximum(metrics["loss_count"], 1.0) / denom, metrics
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
@@ -238,10 +256,9 @@ class TrainStep:
         def mb_update(carry, xs):
             params, opt_state = carry
             order, k = xs
-            mb = _minibatch(data, order, n_real, k, mb_rows, n_mb)
-            mask = mb["loss_mask"]
-            active_rows = (mask.sum(axis=1) > 0).sum()
-            denom = jnp.maximum(active_rows if per_seq else mask.sum(), 1.0)
+            mb = self._minibatch(data, order, n_real, k, mb_rows, n_mb)
+            tokens, seqs = self._counts(mb)
+            denom = jnp.maximum(seqs if per_seq else tokens, 1.0)
             chunks = jax.tree.map(lambda v: v.reshape((n_micro, micro) + v.shape[1:]), mb)
 
             def acc(carry2, mc):
@@ -251,14 +268,13 @@ class TrainStep:
                 s_acc = {key: s_acc[key] + met[key] for key in s_acc}
                 return (g_acc, s_acc), None
 
-            sum_keys = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
             zeros_g = jax.tree.map(jnp.zeros_like, params)
-            zeros_s = {key: jnp.zeros((), jnp.float32) for key in sum_keys}
+            zeros_s = {key: jnp.zeros((), jnp.float32) for key in self.SUM_KEYS}
             (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), chunks)
             gnorm = optax.global_norm(grads)
             updates, new_opt = self.optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
-            active = mask.sum() > 0
+            active = tokens > 0
             keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
             params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, new_opt, opt_state)
@@ -266,7 +282,7 @@ class TrainStep:
             out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
                    "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
                    "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
-                   "active": active.astype(jnp.float32), "tokens": mask.sum()}
+                   "active": active.astype(jnp.float32), "tokens": tokens}
             return (params, opt_state), out
 
         def epoch(carry, key):

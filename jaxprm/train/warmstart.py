@@ -32,8 +32,10 @@ import numpy as np
 import optax
 
 from jaxprm.learner.batch import RowData, pad_rows
-from jaxprm.train.config import config_hash
 from jaxprm.models import next_token_logprobs
+from jaxprm.train.config import config_hash
+from rollout.chat import PromptBuilder
+from rollout.envs.frozenlake import ACTIONS, FrozenLakeEnv, bfs_distances
 
 __all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key"]
 
@@ -47,8 +49,6 @@ class Demo:
 
 
 def _optimal_actions(env) -> list[str]:
-    from rollout.envs.frozenlake import ACTIONS, bfs_distances
-
     dist = bfs_distances(env.task.desc)
     best, out = None, []
     for a in ACTIONS:
@@ -65,8 +65,6 @@ def _optimal_actions(env) -> list[str]:
 
 async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_factory,
                 imitate_noise: bool = True) -> Demo:
-    from rollout.envs.frozenlake import ACTIONS
-
     env = env_factory()
     obs = await env.reset(task)
     messages: list[dict[str, Any]] = []
@@ -107,9 +105,6 @@ def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_
     so that demonstrations carry the same system prompt. ``imitate_noise=False`` keeps the random
     moves in the episodes (they still steer it into holes and detours) but out of the loss mask.
     """
-    from rollout.chat import PromptBuilder
-    from rollout.envs.frozenlake import FrozenLakeEnv
-
     env_factory = env_factory or FrozenLakeEnv
 
     prompts = PromptBuilder(tokenizer)

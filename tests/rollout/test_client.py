@@ -382,3 +382,18 @@ def test_one_session_per_event_loop(serve, tok):
         run(c.aclose())
         assert c.is_closed and not c._sessions
         gc.collect()
+
+
+def test_probe_tells_a_server_that_does_not_answer_from_one_that_refuses_token_ids(serve, tok):
+    slow = serve(ServerScript(policy=fixed_text_policy(tok, "ok"), delay_s=1.0))
+    refusing = serve(ServerScript(policy=fixed_text_policy(tok, "ok"), text_only=True))
+
+    async def probe(url):
+        async with GenerationClient(ClientConfig(endpoints=(url,), timeout_s=0.1)) as c:
+            await c.probe_token_io([1, 2])
+
+    with pytest.raises(GenerationError, match="did not answer a one-token token-id request: .*ReadTimeout") as info:
+        run(probe(slow.url))
+    assert "does not accept" not in str(info.value)
+    with pytest.raises(GenerationError, match="does not accept token-in/token-out requests"):
+        run(probe(refusing.url))

@@ -1,0 +1,336 @@
+"""The trainer's YAML schema: one dataclass per section, with the defaults of the embedded default
+run (``python -m jaxprm.train`` with no config). Loading, overrides and validation are in
+:mod:`jaxprm.train.config`, which re-exports every name here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jaxprm.modes import KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
+from rollout.client import DIALECTS
+from rollout.tree import GROUP_MODES, STRATEGIES
+
+__all__ = [
+    "ModelConfig",
+    "ServerConfig",
+    "BranchScorerSpec",
+    "RolloutConfig",
+    "EnvConfig",
+    "AgentConfig",
+    "ScorerSpec",
+    "ShapingConfig",
+    "PRMSection",
+    "AdvantageSection",
+    "OptimizerConfig",
+    "PPOConfig",
+    "WarmStartConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "CompileCacheConfig",
+    "MeshConfig",
+    "DistributedConfig",
+    "TrainConfig",
+]
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The policy. ``name`` is a preset (``tiny``, ``smollm2-135m``) or a path to an HF directory
+    or a ``.gguf`` file. ``overrides`` are passed to the tiny preset's architecture (e.g. layers)."""
+
+    name: str = "tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """Generation server: ``embedded`` starts ``jaxprm.serve`` in-process on a free loopback port
+    (with a random API key that only the trainer's client knows; ``/update_weights_from_disk``
+    limited to the run directory); ``external`` talks to running vLLM / SGLang servers at ``urls``.
+
+    ``warn_behavior_kl`` / ``max_behavior_kl``: a train row's ``behavior_kl`` (the sampler's
+    log-probs against the learner's, before the step's first update; ~0 when the server serves the
+    learner's policy) above the first logs a warning, above the second stops the run with an error
+    (``null``: never stop)."""
+
+    kind: Literal["embedded", "external"] = "embedded"
+    urls: list[str] = dataclasses.field(default_factory=list)
+    dialect: Literal[DIALECTS] = "vllm"
+    model_name: str | None = None
+    api_key: str | None = None
+    token_backed: bool = True
+    timeout_s: float = 120.0
+    max_retries: int = 3
+    concurrency: int = 64
+    max_batch: int = 64
+    batch_window_ms: float = 5.0
+    weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
+    warn_behavior_kl: float = 0.05
+    max_behavior_kl: float | None = 1.0
+
+
+@dataclasses.dataclass
+class BranchScorerSpec:
+    """PaTR's branch scorer: a ``scorers.BaseScorer`` class path and its constructor kwargs (the form of
+    a ``prm.scorers`` entry). Its reward for a partial branch's last turn must lie in [0, 1]; e.g.
+    ``scorers.LLMJudgeScorer`` (PaTR-Judge) or ``scorers.PRMModelScorer`` (PaTR-PRM)."""
+
+    path: str = "scorers.FrozenLakeProgressScorer"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step.
+
+    ``source``: ``tree`` (the env is driven by ``rollout.tree``: flat / tree_random / patr) or
+    ``agent`` (an OpenAI-SDK agent, the ``agent`` section, runs against the recording proxy; flat
+    groups of ``group_size`` sessions only: PaTR must fork environment states, so it stays on the
+    tree path)."""
+
+    source: Literal["tree", "agent"] = "tree"
+    strategy: Literal[STRATEGIES] = "patr"
+    tasks_per_step: int = 8
+    group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
+    b0: int = 4
+    k: int = 5
+    m: int = 2
+    top_k: int = 2
+    alpha: float = 0.5
+    theta: int = 6
+    max_branches: int | None = None
+    keep: Literal[GROUP_MODES] = "keep_all"
+    refill: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    # concat: one row per leaf (the spec's concat export; "individual", one row per turn, is not offered);
+    # tree_packed: the same rows, but the learner forwards each group's shared prefixes once
+    export: Literal["concat", "tree_packed"] = "concat"
+    filter: Literal[
+        "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
+    ] = "none"
+    branch_scorer: BranchScorerSpec = dataclasses.field(default_factory=lambda: BranchScorerSpec())
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``.
+
+    ``random_start_goal``: False (default) is gymnasium's layout, start top-left and goal
+    bottom-right; True puts start and goal on two random distinct cells (much harder for a small
+    policy: the right move then depends on locating both P and G in the text map).
+
+    ``system_prompt``: ``compact`` (default; ~40 tokens instead of ~140 with the tiny tokenizer,
+    which matters because every turn re-reads the whole history), ``full`` (the verbose rules, for
+    instruct models) or ``none``.
+
+    ``invalid_ends_episode``: an answer without a valid fenced move ends the episode with reward 0
+    (default). With false it is a no-op turn, which GRPO learned to exploit as a "safe move" (the
+    tiny policy's invalid rate rose from 1% to 16-20% within 20 steps and success fell)."""
+
+    name: Literal["frozenlake"] = "frozenlake"
+    system_prompt: Literal["compact", "full", "none"] = "compact"
+    invalid_ends_episode: bool = True
+    size: int = 4
+    p: float = 0.8  # probability that a cell is frozen (gymnasium's convention)
+    max_turns: int = 10
+    random_start_goal: bool = False
+    train_tasks: int = 2048
+    eval_tasks: int = 64
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class AgentConfig:
+    """Agent rollouts through the recording proxy (``rollout.source: agent``).
+
+    ``workflow``: ``package.module:function``, an ``async run(task, base_url, api_key, http_client,
+    **kwargs)`` written against the official ``openai`` SDK (``rollout.proxy.workflow``); ``kwargs``
+    are passed to it. ``timeout_s`` bounds one agent run; ``concurrency`` agents run at once.
+    ``discount``: the export's backward reward discount. ``chat_template_type``: ``concat`` (required
+    with process-reward scorers) or ``hf``. ``session_timeout_s``: idle sessions are swept."""
+
+    workflow: str = "rollout.agents.frozenlake_chat:run"
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 600.0
+    concurrency: int = 64
+    discount: float = 1.0
+    chat_template_type: Literal["concat", "hf"] = "concat"
+    session_timeout_s: float = 3600.0
+
+
+@dataclasses.dataclass
+class ScorerSpec:
+    path: str = ""
+    weight: float = 1.0
+    enabled: bool = True
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ShapingConfig:
+    mode: Literal[SHAPING_MODES] = "additive"
+    negative_scale: float = 0.2
+    zero_penalty: float = 0.4
+    zero_eps: float = 1e-6
+
+
+@dataclasses.dataclass
+class PRMSection:
+    """Process-reward scoring of finished branches (``scorers.PRMRunner``)."""
+
+    enabled: bool = False
+    scorers: list[ScorerSpec] = dataclasses.field(default_factory=list)
+    advantage_shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
+    max_concurrent_sessions: int = 8  # groups scored at once (the branches of a group in order)
+    timeout_s: float = 300.0  # bound on scoring one group; past it the group is rejected
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and any(s.enabled for s in self.scorers)
+
+
+@dataclasses.dataclass
+class AdvantageSection:
+    """Reward processing and advantages (``jaxprm.AdvantageConfig``; the shaping mode and its
+    numbers come from ``prm.advantage_shaping``)."""
+
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float = 20.0
+    group_reward_norm: bool = True
+    group_reward_std: bool = True
+    kl_ctl: float = 0.0
+    kl_estimator: Literal[KL_ESTIMATORS] = "k1"
+    gamma: float = 1.0
+    lam: float = 1.0
+    gae_method: Literal["scan", "associative"] = "scan"
+    adv_mean_level: Literal["batch", "group"] | None = "batch"
+    adv_std_level: Literal["batch", "group"] | None = "batch"
+    adv_unbiased: bool = True
+    adv_eps: float = 1e-5
+    token_rewards_as_adv: bool = True
+    mask_no_eos_with_zero: bool = False
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW with global-norm gradient clipping and a warmup + cosine/constant schedule."""
+
+    lr: float = 3e-4  # tiny policy: 1e-3 rose for ~10 steps, then drifted down (approx KL spikes to 0.1-0.25)
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 8  # optimizer updates; without it the first full-lr Adam steps can wreck a tiny policy
+    min_lr_ratio: float = 0.1
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    """PPO epochs over minibatches, all inside one jitted step."""
+
+    epochs: int = 2
+    num_minibatches: int = 4
+    eps_clip: float = 0.2
+    eps_clip_higher: float | None = None
+    c_clip: float | None = None
+    agg: Literal[LOSS_AGGREGATIONS] = "token-mean"
+    max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
+    microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
+    len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 640, 768, 1024, 2048, 4096])
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm start on noisy generated demonstrations (cached by config hash)."""
+
+    enabled: bool = True
+    num_demos: int = 1024
+    optimal_prob: float = 0.8  # probability of taking a BFS-optimal action at each turn
+    # True: the random moves are imitated too, so the policy samples a noisy version of a good mode
+    # (held-out sampled success 0.32, greedy 0.45 after 200 steps) and RL has noise to remove.
+    # False: the random moves shape the episodes (detours, holes) but only optimal moves are in the
+    # loss (sampled 0.48, greedy 0.67; GRPO then gained at most ~6 points in 20 steps).
+    imitate_noise: bool = True
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 3e-3
+    cache_dir: str = "~/.cache/jaxprm/warmstart"
+    seed: int = 1234
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every_steps: int = 10
+    num_tasks: int = 64
+    samples: int = 4
+    greedy: bool = True
+    at_start: bool = True
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = 5
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class CompileCacheConfig:
+    """JAX's persistent compilation cache: programs compiled by one run are loaded by the next on
+    the same machine (and JAX version) instead of being compiled again. ``enabled: false`` turns it
+    off; ``dir`` is where the compiled programs are kept."""
+
+    enabled: bool = True
+    dir: str = "~/.cache/jaxprm/xla"
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Device mesh for the train step: ``data`` x ``fsdp`` (-1 on one axis = all remaining)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Multi-host: ``jax.distributed.initialize`` is called when ``enabled``."""
+
+    enabled: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    server: ServerConfig = dataclasses.field(default_factory=ServerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    prm: PRMSection = dataclasses.field(default_factory=PRMSection)
+    advantage: AdvantageSection = dataclasses.field(default_factory=AdvantageSection)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    compile_cache: CompileCacheConfig = dataclasses.field(default_factory=CompileCacheConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    steps: int = 30
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 1
+    progress: bool = True
+    plots: bool = True
+    export_final: bool = True
