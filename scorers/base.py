@@ -198,7 +198,10 @@ class BaseScorer:
 
     Subclasses set a non-empty class attribute ``name`` (unique within a runner; it names the
     metrics), consume their own keyword arguments and pass ``weight`` / ``enabled`` to
-    ``super().__init__``; leftover keyword arguments are rejected with their names.
+    ``super().__init__``; leftover keyword arguments are rejected with their names. A constructor
+    checks its arguments and may read files, but opens no connection and starts no work (open
+    clients on first use): the trainer builds each configured scorer once when it loads the config,
+    to report a bad argument with its key before anything starts.
 
     Override ``evaluate`` (and optionally ``prepare_result`` or ``evaluate_result`` to attach
     observations) and, when the scorer owns resources such as HTTP clients, ``aclose``.

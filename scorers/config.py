@@ -236,6 +236,7 @@ def validate_prm_config(
     chat_template_type: str | None = None,
     keys: Mapping[str, str] | None = None,
     resolve: bool = False,
+    build: bool = False,
 ) -> PRMConfig:
     """Check the process-reward settings against the trainer's rollout/actor settings.
 
@@ -255,7 +256,8 @@ def validate_prm_config(
       weighted sum must stay in [0, 1] where every enabled scorer declares its output range
       (:meth:`BaseScorer.reward_range`).
     - With ``resolve``, every scorer entry (enabled or not) is checked as :func:`check_scorer_specs`
-      does: the class imports, its keyword arguments bind, names are unique.
+      does: the class imports, its keyword arguments bind, names are unique; with ``build`` too,
+      each is constructed once.
 
     Returns the normalized ``PRMConfig``.
     """
@@ -263,7 +265,7 @@ def validate_prm_config(
     cfg = as_prm_config(prm)
     specs: list[tuple[ScorerSpec, type[BaseScorer]]] = []
     if resolve:
-        specs = check_scorer_specs(cfg.scorers, where=k["scorers"])
+        specs = check_scorer_specs(cfg.scorers, where=k["scorers"], build=build)
     if not cfg.active:
         return cfg
     if export_style != "concat":
@@ -303,9 +305,13 @@ def validate_prm_config(
     return cfg
 
 
-def check_scorer_specs(specs: Sequence[ScorerSpec], *, where: str = "prm.scorers") -> list[tuple[ScorerSpec, type[BaseScorer]]]:
-    """Resolve every entry's class and check, without building anything, that its ``kwargs`` bind to
-    the constructor and that scorer names are unique. Errors name the entry (``where[i]``)."""
+def check_scorer_specs(specs: Sequence[ScorerSpec], *, where: str = "prm.scorers",
+                       build: bool = False) -> list[tuple[ScorerSpec, type[BaseScorer]]]:
+    """Resolve every entry's class and check that its ``kwargs`` bind to the constructor and that
+    scorer names are unique. With ``build``, also construct each scorer once and drop it, so that
+    a constructor's own checks (a value out of range, a tokenizer file that does not load) fail
+    here; constructors must not start work or open connections (that happens on first use, and
+    :meth:`BaseScorer.aclose` ends it). Errors name the entry (``where[i]``)."""
     out = []
     names: dict[str, int] = {}
     for i, spec in enumerate(specs):
@@ -315,6 +321,12 @@ def check_scorer_specs(specs: Sequence[ScorerSpec], *, where: str = "prm.scorers
         except (ImportError, TypeError, ValueError) as err:
             raise ValueError(str(err)) from None
         _check_kwargs(cls, dict(spec.kwargs), where=f"{here}.kwargs")
+        if build:
+            try:
+                cls(weight=spec.weight, enabled=spec.enabled, **dict(spec.kwargs))
+            except Exception as err:  # a user's constructor may raise anything: name the entry
+                detail = " ".join(str(err).split())[:300]
+                raise ValueError(f"{here}.kwargs: {spec.path} could not be built: {type(err).__name__}: {detail}") from None
         if cls.name in names:
             raise ValueError(
                 f"{here}: scorer name {cls.name!r} is already used by {where}[{names[cls.name]}]; "

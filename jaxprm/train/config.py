@@ -254,9 +254,9 @@ def validate_prm(cfg: TrainConfig) -> None:
             token_rewards_as_adv=cfg.advantage.token_rewards_as_adv,
             mask_no_eos_with_zero=cfg.advantage.mask_no_eos_with_zero,
             external_string_backend=cfg.server.kind == "external" and not cfg.server.token_backed,
-            keys=PRM_RULE_KEYS, resolve=True)
+            keys=PRM_RULE_KEYS, resolve=True, build=True)
         if cfg.rollout.strategy == "patr":
-            check_scorer_specs([_as_spec(cfg.rollout.branch_scorer)], where="rollout.branch_scorer")
+            check_scorer_specs([_as_spec(cfg.rollout.branch_scorer)], where="rollout.branch_scorer", build=True)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).replace("rollout.branch_scorer[0]", "rollout.branch_scorer")) from None
 

@@ -157,6 +157,12 @@ def test_5xx_and_timeouts_are_retried(server):
     assert res.reward == pytest.approx(0.5) and len(server.requests["pooling"]) == 3
 
 
+def test_server_errors_keep_the_servers_reason(server):
+    server.defaults["pooling"] = {"status": 500}
+    with pytest.raises(ScorerHTTPError, match="HTTP 500: scripted failure"):
+        _eval(prm(server, max_retries=0), branch(STEPS[:2]))
+
+
 def test_through_the_runner_every_turn_gets_its_prefix_score(server):
     server.pooling_fn = lambda ids: [float(ids.count(SEP)) if i == SEP else 0.0 for i in ids]  # logit = #steps
 

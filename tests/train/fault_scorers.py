@@ -81,14 +81,30 @@ class FailingClose(BaseScorer):
         raise RuntimeError("injected aclose failure")
 
 
+class FailingBuild(BaseScorer):
+    """Fails whenever it is built: the config's load-time check reports it."""
+
+    name = "failing_build"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        raise RuntimeError("injected build failure")
+
+    async def evaluate(self, interaction, ctx):
+        return 0.0
+
+
 class FailingStart(BaseScorer):
-    """Fails when it is built (at the trainer's start)."""
+    """Builds once (the config's check at load time), then fails when it is built again (at the
+    trainer's start): a failure the load-time check cannot see, such as a server gone since."""
 
     name = "failing_start"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        raise RuntimeError("injected startup failure")
+        SEEN["failing_start_builds"] = SEEN.get("failing_start_builds", 0) + 1
+        if SEEN["failing_start_builds"] > 1:
+            raise RuntimeError("injected startup failure")
 
     async def evaluate(self, interaction, ctx):
         return 0.0

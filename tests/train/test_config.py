@@ -25,13 +25,28 @@ def test_defaults_load_and_roundtrip(tmp_path):
     assert again == cfg and config_hash(again) == config_hash(cfg)
 
 
+def _prm_tokenizer(tmp_path) -> str:
+    """A real tokenizer.json for ``configs/patr_prm.yaml`` (it ships with a placeholder path)."""
+    from rollout.testing import make_test_tokenizer
+
+    f = tmp_path / "tokenizer.json"
+    make_test_tokenizer().tokenizer.save(str(f))
+    return f"rollout.branch_scorer.kwargs.tokenizer={f}"
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_example_configs_load(path):
-    cfg = load_config(path)
+def test_example_configs_load(path, tmp_path):
+    overrides = []
+    if path.name == "patr_prm.yaml":  # its scorer is built at load: the placeholder tokenizer path is refused
+        with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: scorers.PRMModelScorer could not be "
+                                              r"built: ValueError: tokenizer='/path/to/prm/tokenizer.json'"):
+            load_config(path)
+        overrides = [_prm_tokenizer(tmp_path)]
+    cfg = load_config(path, overrides)
     assert cfg.run_dir
 
 
-def test_expected_example_configs_exist():
+def test_expected_example_configs_exist(tmp_path):
     names = {p.name for p in CONFIGS}
     assert {"default.yaml", "default_prm.yaml", "flat_grpo.yaml", "tree_random.yaml",
             "smollm2_frozenlake.yaml", "external_server.yaml"} <= names
@@ -42,7 +57,8 @@ def test_expected_example_configs_exist():
     assert load_config(ROOT / "configs/smollm2_frozenlake.yaml").env.system_prompt == "full"
     judge = load_config(ROOT / "configs/patr_judge.yaml").rollout.branch_scorer
     assert judge.path == "scorers.LLMJudgeScorer" and judge.kwargs["judge_weight"] == 0.7
-    assert load_config(ROOT / "configs/patr_prm.yaml").rollout.branch_scorer.path == "scorers.PRMModelScorer"
+    prm = load_config(ROOT / "configs/patr_prm.yaml", [_prm_tokenizer(tmp_path)]).rollout.branch_scorer
+    assert prm.path == "scorers.PRMModelScorer"
 
 
 def test_overrides_parse_yaml_scalars():

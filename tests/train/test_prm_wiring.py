@@ -29,6 +29,7 @@ from jaxprm.train.rundir import read_metrics
 from rollout.client import ClientConfig, GenerationClient
 from rollout.testing import ScriptedServer, ServerScript, hashed_action_policy, make_test_tokenizer
 from rollout.tree import run_group
+from scorers import FILTER_COUNTERS
 from tests.scorers.scorer_http_server import ScriptedServer as ScorerServer
 from tests.train import fault_scorers
 from tests.train.llamacpp_like import LlamaCppLike
@@ -181,6 +182,15 @@ def test_cleanup_runs_every_closer_and_keeps_the_original_error():
         (["prm.advantage_shaping.mode=process_weighted",
           "prm.scorers=[{path: scorers.LengthBudgetScorer, weight: 0.7, kwargs: {max_output_tokens: 8}}, "
           "{path: scorers.FrozenLakeProgressScorer, weight: 0.5}]"], "can reach [0, 1.2]"),
+        # built once at load: the constructors' own checks fail here, not after warm start and server start
+        (["prm.scorers=[{path: scorers.LengthBudgetScorer, kwargs: {max_output_tokens: -3}}]"],
+         "prm.scorers[0].kwargs: scorers.LengthBudgetScorer could not be built: ValueError"),
+        (["prm.scorers=[{path: scorers.PRMModelScorer, kwargs: {base_url: 'http://h:1', model: m, "
+          "tokenizer: /no/such/tokenizer.json, step_separator_id: 12}}]"],
+         "prm.scorers[0].kwargs: scorers.PRMModelScorer could not be built: ValueError: "
+         "tokenizer='/no/such/tokenizer.json' could not be loaded"),
+        ([f"prm.scorers=[{{path: {FAULTS}.FailingBuild}}]"],
+         f"prm.scorers[0].kwargs: {FAULTS}.FailingBuild could not be built: RuntimeError: injected build failure"),
     ],
 )
 def test_scorer_specs_are_resolved_and_checked_when_the_config_loads(overrides, fragment):
@@ -192,6 +202,9 @@ def test_scorer_specs_are_resolved_and_checked_when_the_config_loads(overrides, 
 def test_branch_scorer_spec_is_checked_at_load_and_print_config_reports_it():
     with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: FrozenLakeProgressScorer has no argument"):
         load_config(None, ["rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mdoe: delta}}"])
+    with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: scorers.FrozenLakeProgressScorer could not "
+                                          r"be built: ValueError"):
+        load_config(None, ["rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mode: sideways}}"])
     out = subprocess.run([sys.executable, "-m", "jaxprm.train", "--print-config", "prm.enabled=true",
                           "prm.scorers=[{path: scorers.NoSuchScorer}]"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
@@ -243,10 +256,16 @@ def test_the_command_line_reports_a_rollout_failure_in_one_line(tmp_path, capsys
 
 
 def test_a_branch_scorer_that_cannot_be_built_stops_the_run_in_one_line(tmp_path):
-    cfg = load_config(ROOT / "configs/patr_prm.yaml", [*SMALL, f"run_dir={tmp_path / 'run'}"])  # tokenizer: a placeholder
-    with pytest.raises(TrainError, match=r"^rollout.branch_scorer: could not build scorers.PRMModelScorer: ") as info:
+    # the shipped config's placeholder tokenizer path is refused when the config loads ...
+    with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: scorers.PRMModelScorer could not be built"):
+        load_config(ROOT / "configs/patr_prm.yaml", [*SMALL, f"run_dir={tmp_path / 'run'}"])
+    # ... and a scorer that built at load but fails when the trainer builds it stops the run in one line
+    fault_scorers.SEEN.clear()
+    cfg = load_config(None, [*SMALL, f"rollout.branch_scorer={{path: {FAULTS}.FailingStart}}",
+                             f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(TrainError, match=rf"^rollout.branch_scorer: could not build {FAULTS}.FailingStart: ") as info:
         train(cfg)
-    assert "/path/to/prm/tokenizer.json" in str(info.value) and "\n" not in str(info.value)
+    assert "injected startup failure" in str(info.value) and "\n" not in str(info.value)
 
 
 def _first_checkpoint_scores(cfg, tokenizer) -> list[float]:
@@ -296,3 +315,19 @@ def test_the_patr_judge_and_patr_prm_configs_steer_the_tree(tmp_path, variant):
         assert [b - a for a, b in zip(runs[0.0], runs[1.0])] == pytest.approx([0.7, 0.7])
     else:  # the PRM's step scores are sigmoid(logit), aggregated over the last step
         assert runs[0.0] == pytest.approx([0.5, 0.5]) and runs[1.0] == pytest.approx([1 / (1 + math.exp(-1))] * 2)
+
+
+def test_the_group_filter_runs_in_the_trainer_and_records_the_references_counters(tmp_path):
+    cfg = load_config(None, [
+        *SMALL, "steps=1", "rollout.tasks_per_step=4", "rollout.strategy=flat",
+        "rollout.filter=mixed_or_penalized_all_wrong_mask_no_eos", "prm.enabled=true",
+        "prm.scorers=[{path: scorers.FrozenLakeProgressScorer, kwargs: {mode: delta}}]", f"run_dir={tmp_path / 'run'}",
+    ])
+    summary = train(cfg)
+    (row,) = [r for r in read_metrics(Path(summary.run_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    counters = {k.removeprefix("filter/"): v for k, v in row.items() if k.startswith("filter/")}
+    assert set(counters) == set(FILTER_COUNTERS)  # every counter of the reference, zero when unused
+    accepted = counters["accepted_mixed"] + counters["accepted_penalized_all_wrong"]
+    rejected = counters["rejected_by_all_correct"] + counters["rejected_by_all_wrong"]
+    assert accepted + rejected == 4 and counters["rejected_by_failed_or_perfect"] == rejected
+    assert row["kept_groups"] == accepted
