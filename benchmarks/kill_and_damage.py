@@ -89,6 +89,14 @@ def _train_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
+def _last_step_s(run: Path, default: float = 3.0) -> float:
+    """Wall seconds of the run's latest train step (``default`` before the first)."""
+    from jaxprm.train.rundir import read_metrics
+
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train" and "step_s" in r]
+    return float(rows[-1]["step_s"]) if rows else default
+
+
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     f = open(log, "a")
     return subprocess.Popen([sys.executable, "-m", "jaxprm.train", *args], cwd=ROOT, env=_env(), stdout=f,
@@ -130,10 +138,12 @@ def _kill_at_random(proc: subprocess.Popen, run: Path, steps: int, rng: random.R
             time.sleep(0.05)
             delay -= 0.05
     elif mode == "in-step":
+        # a random moment of step ``target``: a random fraction of the last step's duration after
+        # step ``target - 1`` ended (a fixed delay overshoots short steps into the run's end)
         target = rng.randint(done + 1, steps) if done < steps else steps
         while time.monotonic() < deadline and proc.poll() is None and max(_train_steps(run) or [0]) < target - 1:
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 4.0))
+        time.sleep(rng.uniform(0.1, 0.9) * _last_step_s(run))
     else:
         skip = rng.randint(0, max(0, steps - done - 2))  # which of the coming saves to hit
         seen = 0

@@ -98,6 +98,15 @@ def test_resume_after_sigkill_has_no_lost_or_duplicated_rows(tmp_path):
     from jaxprm.train.rundir import Checkpointer
 
     assert Checkpointer(run / "checkpoints").latest_step() == 5
+    # what the README promises a resume reproduces: the data of every row, as an uninterrupted run has it
+    ref = tmp_path / "ref"
+    done = subprocess.run([sys.executable, "-m", "jaxprm.train", *args[:-1], f"run_dir={ref}"], capture_output=True,
+                          text=True, cwd=ROOT, env=_env(), timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = ("reward", "success", "trajectories", "sampled_actions", "generated_tokens", "kept_groups", "rows")
+    resumed, uninterrupted = ([{k: r[k] for k in data} for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train"]
+                              for d in (run, ref))
+    assert resumed == uninterrupted
 
 
 def test_missing_model_file_is_a_clear_error(tmp_path):
