@@ -26,7 +26,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from jaxprm.train.schema import (  # the sections, re-exported: callers import them from here
+from jaxprm.train.schema import (  # noqa: F401  (the sections, re-exported: callers import them from here)
     ModelConfig,
     ServerConfig,
     BranchScorerSpec,
@@ -47,30 +47,13 @@ from jaxprm.train.schema import (  # the sections, re-exported: callers import t
     DistributedConfig,
     TrainConfig,
 )
+from jaxprm.train.schema import __all__ as SCHEMA_NAMES
 from scorers import ScorerSpec as RunnerScorerSpec
 from scorers import check_scorer_specs, validate_prm_config
 
 __all__ = [
     "ConfigError",
-    "ModelConfig",
-    "ServerConfig",
-    "BranchScorerSpec",
-    "RolloutConfig",
-    "EnvConfig",
-    "AgentConfig",
-    "ScorerSpec",
-    "ShapingConfig",
-    "PRMSection",
-    "AdvantageSection",
-    "OptimizerConfig",
-    "PPOConfig",
-    "WarmStartConfig",
-    "EvalConfig",
-    "CheckpointConfig",
-    "CompileCacheConfig",
-    "MeshConfig",
-    "DistributedConfig",
-    "TrainConfig",
+    *SCHEMA_NAMES,
     "load_config",
     "to_dict",
     "dump_yaml",

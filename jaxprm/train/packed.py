@@ -30,7 +30,7 @@ from rollout.export import export_groups_packed
 
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import PackedBatch
-from jaxprm.train.step import TrainState, TrainStep, minibatch_rows, reference_logprobs, step_inputs
+from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
 
