@@ -226,7 +226,10 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0
-    schedule: Literal["constant", "cosine"] = "constant"
+    # cosine to lr * min_lr_ratio over the run: at a constant lr the default's held-out success peaked
+    # at step 10-20 and fell after (seeds 0/1/2: +26.6 / +14.5 / +7.8 at step 30); decayed, every seed's
+    # curve rose to the end (+18.4 / +31.2 / +11.7) and greedy success did not fall
+    schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = 8  # optimizer updates; without it the first full-lr Adam steps can wreck a tiny policy
     min_lr_ratio: float = 0.1
 

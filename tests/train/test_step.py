@@ -102,7 +102,7 @@ def test_schedule_warmup_and_cosine():
     s = make_schedule(cfg.optimizer, total_updates(cfg))
     assert float(s(0)) == 0.0 and float(s(4)) == pytest.approx(1e-3)
     assert float(s(10)) == pytest.approx(1e-4, rel=1e-3)
-    cfg = load_config(None, ["optimizer.warmup_steps=2", "optimizer.lr=1e-3"])
+    cfg = load_config(None, ["optimizer.schedule=constant", "optimizer.warmup_steps=2", "optimizer.lr=1e-3"])
     s = make_schedule(cfg.optimizer, total_updates(cfg))
     assert float(s(1)) == pytest.approx(5e-4) and float(s(100)) == pytest.approx(1e-3)
     make_optimizer(cfg.optimizer, total_updates(cfg))  # builds
