@@ -32,7 +32,22 @@ def test_the_contract_fails_on_an_upward_import(tmp_path):
     export.write_text(export.read_text() + "\nimport jaxprm.serve  # an upward import\n")
     out = _lint(tmp_path)
     assert out.returncode != 0
-    assert "rollout is not allowed to import jaxprm.serve" in out.stdout
+    assert "rollout.export is not allowed to import jaxprm.serve" in out.stdout
+
+
+def test_layer_4_names_every_rollout_module_but_types():
+    """The first contract lists rollout's modules one by one (so that rollout.types can be layer 2
+    without ignored imports): a new rollout module must be named there too."""
+    import tomllib
+
+    (layers,) = [c["layers"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+                 ["contracts"] if c["name"].startswith("layers: ")]
+    (layer4,) = [layer for layer in layers if layer.startswith("rollout.agents")]
+    named = {m.strip() for m in layer4.split(":")}
+    modules = {f"rollout.{p.stem}" for p in (ROOT / "rollout").iterdir()
+               if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert named == modules - {"rollout.types"}
+    assert "rollout.types" in layers
 
 
 def test_importing_scorers_loads_no_jax_and_no_rollout_machinery():
