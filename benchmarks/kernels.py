@@ -119,6 +119,10 @@ def jax_kernels(x: dict[str, np.ndarray], lib=jaxprm) -> dict[str, tuple[Callabl
     pw = jax.jit(lambda a, p, m: jaxprm.shape_advantages(a, p, m, mode="process_weighted", validate=False))
     loss_grad = jax.jit(jax.value_and_grad(lambda lp, o, a, m: jaxprm.policy_loss(lp, o, a, m)[0]))
     e2e = lambda: jaxprm.compute_advantages(batch, e2e_config).advantages  # noqa: E731
+    # The ceiling: XLA's own fused elementwise code over GAE's bytes (3 [B, T] reads, 2 writes).
+    # XLA:CPU emits one loop per output (no multi-output fusion), so this is what any kernel with
+    # GAE's inputs and outputs can reach here; the kernels' fractions are read against it.
+    ceiling = jax.jit(lambda r, v, mm: (r * mm + v, r - v * mm))
     # bytes/token: float32 inputs read + outputs written (mask counted as float32)
     return {
         "gae_scan": (lambda: gae["scan"](d["rewards"], d["values"], d["mask"]), 20),
@@ -132,6 +136,7 @@ def jax_kernels(x: dict[str, np.ndarray], lib=jaxprm) -> dict[str, tuple[Callabl
         "policy_loss_fwd_bwd": (lambda: loss_grad(d["logp"], d["old"], d["adv"], d["mask"]), 20),
         # outcome, old, ref, process, values, mask, turn ids in; 4 [B, T] outputs used downstream
         "compute_advantages": (e2e, 40),
+        "ceiling_3in_2out": (lambda: ceiling(d["rewards"], d["values"], d["mask"]), 20),
     }
 
 
@@ -305,7 +310,8 @@ def hlo_report(x: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
     return out
 
 
-def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -> dict:
+def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None,
+        kernels: list[str] | None = None) -> dict:
     bw = copy_bandwidth()
     rows = []
     hlo = {}
@@ -323,6 +329,8 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None) -
         slow_repeats = max(1, repeats if B * T <= 1 << 17 else 2)
         old = jax_kernels(x, old_lib) if old_lib is not None else {}
         for name, (fn, bytes_per_tok) in jk.items():
+            if kernels and not any(name.startswith(k) for k in kernels):
+                continue
             if name in old:  # interleaved: the load on a shared machine hits both alike
                 from benchmarks.anchor import best_interleaved
 
@@ -384,13 +392,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time the JAX kernels of this git revision in the same run (e.g. the parent commit)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="PyTorch intra-op threads (default 1: its OpenMP pool stalls when cores are shared)")
+    ap.add_argument("--kernels", default=None,
+                    help="comma-separated kernel-name prefixes to time (default: all), e.g. gae,normalize")
     args = ap.parse_args(argv)
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
     if torch is not None:
         torch.set_num_threads(args.torch_threads)
     print(f"jax {jax.__version__} on {jax.default_backend()}; torch {getattr(torch, '__version__', 'absent')}")
     print(HEADER, flush=True)
-    result = run(sizes, args.repeats, args.anchor)
+    result = run(sizes, args.repeats, args.anchor, args.kernels.split(",") if args.kernels else None)
     print(f"memory-copy bandwidth: {result['copy_bandwidth_GBps']:.1f} GB/s (read + write)")
     if args.json:
         with open(args.json, "w") as f:
