@@ -62,8 +62,9 @@ class PackedBatch:
       lengths: ``int32 [R]`` packed tokens in each row (its trees fill ``[0, lengths[r])``).
       query_blocks: ``int32 [R, N, Q]`` slots of each attention block's queries (-1 = none); every
         packed token is in exactly one block.
-      key_blocks: ``int32 [R, N, T]`` slots of the block's root path by depth (key ``i`` has depth
-        ``i``; -1 beyond it): query ``q`` attends keys ``i <= positions[q]``.
+      key_blocks: ``int32 [R, N, S]`` slots of the block's root path by depth (key ``i`` has depth
+        ``i``; -1 beyond it): query ``q`` attends keys ``i <= positions[q]``. ``S`` is the flat
+        length ``T`` unless ``pack_rows`` was given key-length buckets.
       flat_index: ``int32 [B, T]`` packed slot ``r * L + j`` of flat prediction position ``(b, t)``
         (token ``t + 1`` of flat row ``b``), -1 where there is no such token.
       flat_rows: ``int32 [B]`` the packed row holding flat row ``b``, -1 for flat padding rows.
@@ -221,6 +222,8 @@ def pack_rows(
     min_len: int = 0,
     trees_per_row: int | None = None,
     query_block: int = 64,
+    key_len_buckets: Sequence[int] | None = None,
+    block_buckets: Sequence[int] = _BLOCK_BUCKETS,
 ) -> PackedBatch:
     """Pack token-aligned rows (as ``pad_rows`` takes them) into a ``PackedBatch``.
 
@@ -233,7 +236,11 @@ def pack_rows(
         into rows of length ``L``).
       trees_per_row: at most this many trees per packed row (default: no limit; 1 = one tree per
         row).
-      query_block: queries per attention block ``Q``; the block count ``N`` is bucketed.
+      query_block: queries per attention block ``Q``; the block count ``N`` is bucketed by
+        ``block_buckets``.
+      key_len_buckets: buckets of the key-slot length ``S`` of ``key_blocks`` (the longest root
+        path); default: ``S = T``, the flat length. Coarse buckets (powers of two) give the
+        learner fewer shapes to compile.
     Returns:
       The ``PackedBatch``; its ``flat_index`` refers to the flat batch of shape ``flat_shape``.
     """
@@ -305,9 +312,12 @@ def pack_rows(
                     blocks[r].append((path[d0:d1], path[:d1]))
             offset += n
         lengths[r] = offset
-    N = bucket_size(max(max(len(b) for b in blocks), 1), _BLOCK_BUCKETS)
+    N = bucket_size(max(max(len(b) for b in blocks), 1), block_buckets)
+    S = T
+    if key_len_buckets is not None:
+        S = bucket_size(max((len(ks) for bl in blocks for _, ks in bl), default=1), key_len_buckets)
     query_blocks = np.full((R, N, Q), -1, np.int32)
-    key_blocks = np.full((R, N, T), -1, np.int32)
+    key_blocks = np.full((R, N, S), -1, np.int32)
     for r, bl in enumerate(blocks):
         for i, (qs, ks) in enumerate(bl):
             query_blocks[r, i, : len(qs)] = qs

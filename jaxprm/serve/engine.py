@@ -57,14 +57,14 @@ AUTO_DECODE_STEPS = 8
 SMALL_MODEL_PARAMS = 20_000_000
 
 
-def _window_buckets(max_len: int, block_size: int) -> tuple[int, ...]:
-    """Window sizes: 128, 256, ... (powers of two, multiples of the block size) and the longest."""
+def _window_buckets(max_len: int, block_size: int, factor: int = 2) -> tuple[int, ...]:
+    """Window sizes: 128, 128 * factor, ... (multiples of the block size) and the longest."""
     top = -(-max_len // block_size) * block_size
     out, w = [], max(128, block_size)
     w = -(-w // block_size) * block_size
     while w < top:
         out.append(w)
-        w *= 2
+        w *= factor
     return tuple(out) + (top,)
 
 
@@ -91,13 +91,16 @@ class Engine:
       unroll_layers: decode programs run the layers unrolled over per-layer weight copies (faster
         on XLA:CPU, slower to compile, the layers' weight memory once more; see
         ``jaxprm.serve.programs``); ``None``: on the CPU backend.
+      window_factor: ratio of successive KV window buckets (128, 128 * factor, ...): every
+        (batch, window) pair is a decode program and every (rows, chunk, window) a prefill program
+        to compile, so a larger factor compiles fewer programs and pads attention more.
     """
 
     def __init__(self, sampler: Sampler, *, max_batch: int | None = None, block_size: int = 16,
                  kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, kv_cache_tokens: int | None = None,
                  decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
-                 metrics: EngineMetrics | None = None, unroll_layers: bool | None = None):
+                 metrics: EngineMetrics | None = None, unroll_layers: bool | None = None, window_factor: int = 2):
         if decode_steps is None:
             n_params = sum(int(x.size) for x in jax.tree.leaves(sampler.params))
             decode_steps = AUTO_DECODE_STEPS if n_params < SMALL_MODEL_PARAMS else 1
@@ -105,13 +108,15 @@ class Engine:
                             ("prefill_chunk", prefill_chunk), ("max_prefill_tokens", max_prefill_tokens)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if int(window_factor) < 2:
+            raise ValueError(f"window_factor must be >= 2, got {window_factor}")
         self.sampler = sampler
         self.max_batch = int(max_batch or sampler.max_batch)
         self.batch_buckets = tuple(b for b in sampler.batch_buckets if b < self.max_batch) + (self.max_batch,)
         self.block_size = int(block_size)
         self.decode_steps = int(decode_steps)
         self.max_len = min(sampler.max_context, sampler.prompt_buckets[-1] + sampler.new_token_buckets[-1])
-        self.window_buckets = _window_buckets(self.max_len, self.block_size)
+        self.window_buckets = _window_buckets(self.max_len, self.block_size, int(window_factor))
         per_token = kv_bytes_per_token(sampler.config, sampler.cache_dtype or sampler.config.dtype)
         if kv_cache_tokens is None:
             if kv_cache_bytes is None:

@@ -62,6 +62,7 @@ class ServeConfig:
         sequences between calls); ``None``: chosen by model size (see ``Engine``).
       prefill_chunk / max_prefill_tokens: chunked prefill: prompt tokens per sequence / per call.
       enable_prefix_cache: reuse the KV of cached prompt prefixes (radix tree over blocks).
+      window_factor: ratio of successive KV window buckets (see ``Engine``; 2 by default).
     """
 
     model_name: str = "jaxprm"
@@ -85,6 +86,7 @@ class ServeConfig:
     prefill_chunk: int = 256
     max_prefill_tokens: int = 1024
     enable_prefix_cache: bool = True
+    window_factor: int = 2
 
     def __post_init__(self):
         if self.logprobs_mode not in ("raw", "processed"):
@@ -105,7 +107,7 @@ class ServeConfig:
                     kv_cache_tokens=self.kv_cache_tokens, decode_steps=self.decode_steps,
                     prefill_chunk=self.prefill_chunk, max_prefill_tokens=self.max_prefill_tokens,
                     enable_prefix_cache=self.enable_prefix_cache, collect_window_s=self.collect_window_s,
-                    max_collect_s=self.max_collect_s)
+                    max_collect_s=self.max_collect_s, window_factor=self.window_factor)
 
 
 class Serving:

@@ -4,7 +4,9 @@
 sampler compiles in the embedded server's engine thread): tracing, lowering and the backend compile
 (a persistent-cache hit still reports a short backend "compile", its retrieval). ``snapshot()``
 gives running totals; the trainer takes differences around each phase, so the time a phase spent
-compiling can be reported apart from its real work.
+compiling can be reported apart from its real work. ``by_function()`` splits the totals by the
+traced function's name (``jit(_step)``, ``jit(update)``, ...), so a run can say which programs
+its compile time went to.
 
 ``enable_persistent_cache(dir)`` turns on JAX's persistent compilation cache, so that a second run
 on the same machine loads its programs instead of compiling them. :class:`PhaseTimes` attributes a
@@ -48,6 +50,7 @@ class _Meter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._totals = CompileTotals()
+        self._by_fun: dict[str, CompileTotals] = {}
         self._installed = False
 
     def install(self) -> None:
@@ -59,11 +62,15 @@ class _Meter:
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
 
-    def _on_duration(self, name: str, seconds: float, **_) -> None:
+    def _on_duration(self, name: str, seconds: float, fun_name: str = "?", **_) -> None:
         if name in _DURATIONS:
+            n = int(name == _BACKEND)
+            fun = fun_name[4:-1] if fun_name.startswith("jit(") and fun_name.endswith(")") else fun_name
             with self._lock:
                 t = self._totals
-                self._totals = CompileTotals(t.count + (name == _BACKEND), t.cache_hits, t.seconds + seconds)
+                self._totals = CompileTotals(t.count + n, t.cache_hits, t.seconds + seconds)
+                f = self._by_fun.get(fun, CompileTotals())
+                self._by_fun[fun] = CompileTotals(f.count + n, f.cache_hits, f.seconds + seconds)
 
     def _on_event(self, name: str, **_) -> None:
         if name == _HIT:
@@ -75,6 +82,13 @@ class _Meter:
         self.install()
         with self._lock:
             return self._totals
+
+    def by_function(self) -> dict[str, CompileTotals]:
+        """Running totals per traced function name (``jit(f)`` reported as ``f``), largest first;
+        ``cache_hits`` is not split (JAX's hit event names no function)."""
+        self.install()
+        with self._lock:
+            return dict(sorted(self._by_fun.items(), key=lambda kv: -kv[1].seconds))
 
 
 #: The process-wide compilation meter.

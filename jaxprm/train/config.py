@@ -295,10 +295,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _positive(o, "optimizer", "weight_decay", "warmup_steps", allow_zero=True)
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", "must be in [0, 1)")
     _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    sv = cfg.server
+    _check(bool(sv.batch_buckets) and all(isinstance(b, int) and b > 0 for b in sv.batch_buckets),
+           "server.batch_buckets", "must be a non-empty list of positive ints")
+    _check(isinstance(sv.window_factor, int) and sv.window_factor >= 2, "server.window_factor",
+           f"must be an int >= 2, got {sv.window_factor!r}")
     p = cfg.ppo
     _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows", "microbatch_rows")
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", f"dual clip must be > 1 (or null), got {p.c_clip}")
     _check(bool(p.len_buckets) and all(b > 0 for b in p.len_buckets), "ppo.len_buckets", "must be a non-empty list of positive ints")
+    _check(bool(p.packed_len_buckets) and all(b > 0 for b in p.packed_len_buckets), "ppo.packed_len_buckets",
+           "must be a non-empty list of positive ints")
     if p.max_rows is not None:
         _check(p.max_rows % p.num_minibatches == 0, "ppo.max_rows",
                f"must be divisible by ppo.num_minibatches ({p.num_minibatches}), got {p.max_rows}")

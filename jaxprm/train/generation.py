@@ -58,8 +58,9 @@ class Generation:
             self.server = ServerHandle.start(
                 self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
                 model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
-                sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context},
-                collect_window_s=s.batch_window_ms / 1000.0)
+                sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context,
+                                "batch_buckets": tuple(b for b in s.batch_buckets if b < s.max_batch) + (s.max_batch,)},
+                collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor)
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")
         else:

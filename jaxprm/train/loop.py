@@ -46,7 +46,7 @@ import jaxprm
 from jaxprm.models import save_pretrained
 from jaxprm.train import adapters, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
-from jaxprm.train.compilation import PhaseTimes, enable_persistent_cache
+from jaxprm.train.compilation import METER, CompileTotals, PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.packed import learn_packed
@@ -78,6 +78,8 @@ class Summary:
     timings: dict[str, float]
     compiled_programs: int = 0
     compile_cache_hits: int = 0
+    # the programs this run spent the most compile seconds on: name -> [programs, seconds]
+    compile_top: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         lines = [f"run dir: {self.run_dir}", f"steps: {self.steps}  wall: {self.wall_s:.0f}s"]
@@ -94,6 +96,9 @@ class Summary:
         parts = [f"{k.replace('_', ' ')} {v:.0f} s" for k, v in self.timings.items()]
         lines.append(f"where the time went ({self.wall_s:.0f} s): " + ", ".join(parts)
                      + f"; {self.compiled_programs} programs compiled, {self.compile_cache_hits} from the cache")
+        if self.compile_top:
+            lines.append("most compile time: " + ", ".join(
+                f"{name} {sec:.0f} s ({int(n)}x)" for name, (n, sec) in list(self.compile_top.items())[:5]))
         return "\n".join(lines)
 
 
@@ -111,6 +116,7 @@ class _Job:
         self.cfg, self.resume, self.log = cfg, resume, log
         self.cleanup = Cleanup(log)
         self.times = PhaseTimes()
+        self._compile_base = METER.by_function()
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -417,9 +423,20 @@ class _Job:
         summary = Summary(run_dir=str(self.run_dir), steps=cfg.steps, warm_start=self.warm_report,
                           first_eval=first_eval, last_eval=last_eval,
                           wall_s=time.perf_counter() - self.t_start, timings=dict(self.times.seconds),
-                          compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits)
+                          compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
+                          compile_top=self._compile_top())
         (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
         return summary
+
+
+    def _compile_top(self, n: int = 10) -> dict[str, list[float]]:
+        """This run's ``n`` costliest traced functions by compile seconds: ``{name: [programs, s]}``."""
+        out = {}
+        for name, t in METER.by_function().items():
+            d = t - self._compile_base.get(name, CompileTotals())
+            if d.seconds > 0:
+                out[name] = [d.count, round(d.seconds, 2)]
+        return dict(sorted(out.items(), key=lambda kv: -kv[1][1])[:n])
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, log=None) -> Summary:

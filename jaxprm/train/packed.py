@@ -124,7 +124,7 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
     batch, packed, meta = export_groups_packed(
         groups, process_rewards=rewards if job.prm is not None else None,
         row_buckets=(job.capacity,), len_buckets=tuple(cfg.ppo.len_buckets), min_rows=job.capacity,
-        packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.len_buckets))
+        packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.packed_len_buckets))
     flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
     use_packed = flat_tokens >= MIN_SHARING * packed_tokens
     if job.ref_params is not None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxprm.serve import Engine, ServerHandle
+from jaxprm.serve.engine import _window_buckets
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import SamplingParams
 
@@ -259,3 +260,20 @@ def test_bf16_weights_keep_float32_logprobs(tiny, sampler_kw, prompts, engine):
     want = run(engine, prompts[:1], [sp])[0]
     assert isinstance(got.logprobs[0], float) and got.token_ids[0] == want.token_ids[0]
     assert abs(got.logprobs[0] - want.logprobs[0]) < 0.05
+
+
+def test_coarser_window_buckets_give_the_same_tokens(engine, prompts):
+    """``window_factor=4`` (the trainer's embedded default) keeps every other window bucket of the
+    default x2 ladder and the last one; the tokens and log-probs do not depend on the padding."""
+    coarse = Engine(engine.sampler, max_batch=4, window_factor=4).start()
+    try:
+        assert coarse.window_buckets[-1] == engine.window_buckets[-1]
+        assert _window_buckets(1024, 16, 4) == (128, 512, 1024)
+        assert _window_buckets(1024, 16) == (128, 256, 512, 1024)
+        params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
+                  for i, t in enumerate((0.0, 1.0, 0.7, 0.0))]
+        assert_same(run(coarse, prompts, params), run(engine, prompts, params))
+    finally:
+        coarse.stop()
+    with pytest.raises(ValueError, match="window_factor"):
+        Engine(engine.sampler, max_batch=4, window_factor=1)

@@ -98,6 +98,9 @@ def test_file_then_overrides(tmp_path):
         (["advantage.adv_mean_level=token"], "advantage.adv_mean_level"),
         (["noequals"], "key.sub=value"),
         (["rollout.export=individual"], "rollout.export: got 'individual'; allowed values: 'concat'"),
+        (["server.window_factor=1"], "server.window_factor"),
+        (["server.batch_buckets=[]"], "server.batch_buckets"),
+        (["ppo.packed_len_buckets=[0]"], "ppo.packed_len_buckets"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
