@@ -248,7 +248,10 @@ class PPOConfig:
     epochs: int = 2
     num_minibatches: int = 4
     eps_clip: float = 0.2
-    eps_clip_higher: float | None = None
+    # DAPO's clip-higher: the ratio's upper clip 1 + 0.28 (lower stays 1 - eps_clip; null: symmetric).
+    # On the default run (3 seeds, 30 steps) it gave +26.2 / +25.4 / +11.3 points against +19.9 /
+    # +17.6 / +11.7 symmetric, and greedy success did not fall on any seed (it fell on seed 1 without).
+    eps_clip_higher: float | None = 0.28
     c_clip: float | None = None
     agg: Literal[LOSS_AGGREGATIONS] = "token-mean"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
