@@ -57,6 +57,8 @@ def _counted(fn):
         _TRACES[0] += 1
         return fn(*args, **kwargs)
 
+    # the program's name in JAX's compile logs and the trainer's compile report
+    traced.__name__ = traced.__qualname__ = getattr(fn, "__name__", "traced")
     return traced
 
 

@@ -161,6 +161,7 @@ class Sampler:
             self._num_traces += 1
             return fn(*args, **kwargs)
 
+        traced.__name__ = traced.__qualname__ = getattr(fn, "__name__", "traced")  # named in compile logs
         return traced
 
     # ----------------------------------------------------------------------------------------
