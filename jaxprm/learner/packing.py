@@ -239,8 +239,8 @@ def pack_rows(
       query_block: queries per attention block ``Q``; the block count ``N`` is bucketed by
         ``block_buckets``.
       key_len_buckets: buckets of the key-slot length ``S`` of ``key_blocks`` (the longest root
-        path); default: ``S = T``, the flat length. Coarse buckets (powers of two) give the
-        learner fewer shapes to compile.
+        path); default: ``S = T``, the flat length. Coarse buckets give the learner fewer shapes to
+        compile but pad every block's keys (attention work grows with ``S``).
     Returns:
       The ``PackedBatch``; its ``flat_index`` refers to the flat batch of shape ``flat_shape``.
     """

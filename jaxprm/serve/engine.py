@@ -43,7 +43,8 @@ from jaxprm.serve.prefix_cache import PrefixCache
 from jaxprm.serve.requests import EngineFuture, EngineStats, Request, RowDelta, completion
 from jaxprm.serve.programs import ModelRunner, decode_arrays, prefill_arrays
 from jaxprm.serve.sampler import Sampler
-from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for, row_key_data
+from jaxprm.serve.sampling import (MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for,
+                                   buckets_up_to, row_key_data)
 from jaxprm.serve.scheduler import Scheduler, Sequence as Seq, Status
 
 __all__ = ["Engine", "EngineStats", "EngineFuture", "RowDelta", "BatchingEngine", "DEFAULT_KV_CACHE_BYTES"]
@@ -112,7 +113,7 @@ class Engine:
             raise ValueError(f"window_factor must be >= 2, got {window_factor}")
         self.sampler = sampler
         self.max_batch = int(max_batch or sampler.max_batch)
-        self.batch_buckets = tuple(b for b in sampler.batch_buckets if b < self.max_batch) + (self.max_batch,)
+        self.batch_buckets = buckets_up_to(sampler.batch_buckets, self.max_batch)
         self.block_size = int(block_size)
         self.decode_steps = int(decode_steps)
         self.max_len = min(sampler.max_context, sampler.prompt_buckets[-1] + sampler.new_token_buckets[-1])

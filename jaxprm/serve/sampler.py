@@ -50,7 +50,7 @@ from flax import nnx
 
 from jaxprm.models import KVCache
 from jaxprm.serve.sampling import (DEFAULT_BATCH_BUCKETS, DEFAULT_NEW_TOKEN_BUCKETS, DEFAULT_PROMPT_BUCKETS, MAX_STOP_TOKEN_IDS,
-                                  MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for, row_key_data, sample_next)
+                                  MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for, buckets_up_to, row_key_data, sample_next)
 
 __all__ = ["Sampler"]
 
@@ -125,7 +125,7 @@ class Sampler:
         self.dedupe_prompts = bool(dedupe_prompts)
         self.host_sync_every = int(host_sync_every)
         if batch_buckets is None:
-            batch_buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+            batch_buckets = buckets_up_to(DEFAULT_BATCH_BUCKETS, max_batch)
         self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
         self.max_batch = self.batch_buckets[-1]
         self.max_context = int(max_context or self.config.max_position_embeddings)

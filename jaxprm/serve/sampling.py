@@ -66,6 +66,7 @@ __all__ = [
     "DRAW_BLOCK",
     "apply_top_k_top_p",
     "bucket_for",
+    "buckets_up_to",
     "sample_next",
     "draw_tokens",
     "row_key_data",
@@ -159,6 +160,11 @@ def bucket_for(n: int, buckets: Sequence[int], what: str) -> int:
         if n <= b:
             return int(b)
     raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def buckets_up_to(buckets: Sequence[int], top: int) -> tuple[int, ...]:
+    """``buckets`` below ``top``, then ``top`` (ascending): a bucket ladder capped at a maximum."""
+    return tuple(sorted(int(b) for b in buckets if b < top)) + (int(top),)
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

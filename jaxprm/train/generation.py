@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxprm.models import save_pretrained
 from jaxprm.serve import ServerHandle
+from jaxprm.serve.sampling import buckets_up_to
 from jaxprm.train.adapters import client_config
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
@@ -59,7 +60,7 @@ class Generation:
                 self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
                 model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
                 sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context,
-                                "batch_buckets": tuple(b for b in s.batch_buckets if b < s.max_batch) + (s.max_batch,)},
+                                "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch)},
                 collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor)
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")

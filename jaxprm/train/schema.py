@@ -114,7 +114,7 @@ class RolloutConfig:
     # concat: one row per leaf (the spec's concat export; "individual", one row per turn, is not offered);
     # tree_packed (default): the same rows, but the learner forwards each group's shared prefixes once
     # (the same loss and gradients to float32 rounding; a step whose groups share less than 1.25x
-    # trains on the flat rows). On the default PaTR run it cut the learner's time 2.7x.
+    # trains on the flat rows). On the default PaTR run it cut the learner's time 2.4x.
     export: Literal["concat", "tree_packed"] = "tree_packed"
     filter: Literal[
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"

@@ -28,7 +28,7 @@ def test_packed_logits_equal_per_row_logits(name, path):
     model = Transformer(config, rngs=nnx.Rngs(0))
     rows = random_groups(5, groups=3, leaves=(2, 6), share=0.8, vocab=config.vocab_size, turns=4)
     flat = jaxprm.pad_rows(rows, len_buckets=(32, 64, 128))
-    # coarse_blocks: the trainer's buckets (powers of two for the key length and the block count)
+    # coarse_blocks: coarse key-length and block-count buckets (fewer shapes, more padding)
     coarse = {"key_len_buckets": (8, 16, 256), "block_buckets": (64,)} if path == "coarse_blocks" else {}
     pk = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=(32, 64, 128), query_block=8, **coarse)
     B, T = flat.shape
