@@ -137,6 +137,7 @@ class _Job:
             self.policy.apply_fn, make_optimizer(cfg.optimizer, adapters.total_updates(cfg)), jaxprm.policy_loss,
             epochs=cfg.ppo.epochs, num_minibatches=cfg.ppo.num_minibatches, loss_kwargs=adapters.loss_kwargs(cfg),
             mesh=self.mesh if n_dev > 1 else None, microbatch_rows=cfg.ppo.microbatch_rows,
+            entropy_coef=cfg.ppo.entropy_coef,
         )
         self.adv_cfg = adapters.advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -403,6 +404,7 @@ class _Job:
             if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
                 self.checkpoint(step)
             bar.set_postfix(succ=f"{row['success']:.2f}", loss=f"{row.get('loss', 0.0):.3f}",
+                            ent=f"{row.get('entropy', float('nan')):.2f}",
                             ev=f"{(last_eval or {}).get('success', float('nan')):.2f}", refresh=False)
             bar.update(1)
         bar.close()

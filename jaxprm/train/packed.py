@@ -71,16 +71,18 @@ class PackedTrainStep(TrainStep):
     """
 
     def __init__(self, apply_fn, optimizer, *, epochs: int = 1, num_minibatches: int = 1,
-                 loss_kwargs: dict | None = None, mesh=None, microbatch_tokens: int | None = None) -> None:
+                 loss_kwargs: dict | None = None, mesh=None, microbatch_tokens: int | None = None,
+                 entropy_coef: float = 0.0) -> None:
         super().__init__(apply_fn, optimizer, packed_policy_loss, epochs=epochs, num_minibatches=num_minibatches,
-                         loss_kwargs=loss_kwargs, mesh=mesh)
+                         loss_kwargs=loss_kwargs, mesh=mesh, entropy_coef=entropy_coef)
         self.microbatch_tokens = microbatch_tokens
 
     @classmethod
     def like(cls, step: TrainStep, *, microbatch_tokens: int | None = None) -> PackedTrainStep:
         """A packed step with the optimizer, loss options, epochs, minibatches and mesh of ``step``."""
         return cls(step.apply_fn, step.optimizer, epochs=step.epochs, num_minibatches=step.num_minibatches,
-                   loss_kwargs=step.loss_kwargs, mesh=step.mesh, microbatch_tokens=microbatch_tokens)
+                   loss_kwargs=step.loss_kwargs, mesh=step.mesh, microbatch_tokens=microbatch_tokens,
+                   entropy_coef=step.entropy_coef)
 
     def _micro_rows(self, mb_rows: int, L: int) -> int:
         if not self.microbatch_tokens:
@@ -104,7 +106,10 @@ class PackedTrainStep(TrainStep):
                                key_blocks=mc["key_blocks"])
         logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
         adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
-        return packed_policy_loss(logp, mc["old_logprobs"], adv, **self.loss_kwargs)
+        loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **self.loss_kwargs)
+        # a packed token's entropy is its parent position's, counted once per (token, leaf) pair
+        ent = jnp.take_along_axis(self._entropy(logits), jnp.maximum(mc["parents"], 0), axis=1)
+        return loss, metrics, jnp.sum(jnp.where(mc["parents"] >= 0, ent, 0.0) * mc["count"])
 
 
 def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:

@@ -254,6 +254,9 @@ class PPOConfig:
     eps_clip_higher: float | None = 0.28
     c_clip: float | None = None
     agg: Literal[LOSS_AGGREGATIONS] = "token-mean"
+    # entropy bonus: the objective is loss - entropy_coef * (token-mean next-token entropy); the
+    # train rows' ``entropy`` is that mean whatever the coefficient
+    entropy_coef: float = 0.0
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
     microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
     len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 640, 768, 1024, 2048, 4096])

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxprm.models.logprobs import next_token_logprobs
+from jaxprm.models.logprobs import entropy_of, next_token_logprobs
 
 __all__ = [
     "TrainState",
@@ -155,6 +155,10 @@ class TrainStep:
         accumulated gradient equals the minibatch gradient because each microbatch contributes
         ``loss_sum_i / denom`` with ``denom`` the minibatch's token (or sequence) count. Requires
         ``loss_fn`` metrics ``loss_count`` and the ``*_sum`` numerators (as ``jaxprm.policy_loss``).
+      entropy_coef: an entropy bonus ``c``: the minibatch objective is ``loss - c * H`` with ``H``
+        the token mean, over the minibatch's active tokens (whatever ``agg``), of the policy's
+        next-token entropy ``-sum_v p log p``. The ``entropy`` metric is that mean (reported for
+        any ``c``; with ``c = 0`` it carries no gradient).
     """
 
     def __init__(
@@ -169,7 +173,10 @@ class TrainStep:
         mesh: Mesh | None = None,
         logprob_fn: Callable = next_token_logprobs,
         microbatch_rows: int | None = None,
+        entropy_coef: float = 0.0,
     ) -> None:
+        if not entropy_coef >= 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
         self.apply_fn = apply_fn
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -179,6 +186,7 @@ class TrainStep:
         self.mesh = mesh
         self.logprob_fn = logprob_fn
         self.microbatch_rows = microbatch_rows
+        self.entropy_coef = float(entropy_coef)
         self.compiles = 0  # number of traces of the step (one per distinct input shape)
         self._jitted = None
         self._state_shardings = None
@@ -205,7 +213,8 @@ class TrainStep:
     # -- the step ----------------------------------------------------------------------------
     # The hooks below are what a row layout changes (``PackedTrainStep`` overrides them); ``_step``
     # is the one epochs x minibatches x microbatches loop both layouts share.
-    SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum")
+    SUM_KEYS = ("loss_sum", "loss_count", "n_valid_tokens", "clip_sum", "dual_clip_sum", "approx_kl_sum", "ratio_sum",
+                "entropy_sum")
 
     def _micro_rows(self, mb_rows: int, T: int) -> int:
         """Rows per gradient-accumulation chunk (a divisor of ``mb_rows``)."""
@@ -227,11 +236,21 @@ class TrainStep:
         return mask.sum(), (mask.sum(axis=1) > 0).sum()
 
     def _micro_loss(self, params: Any, mc: dict):
-        """``loss_fn`` on one microbatch: forward, per-token log-probs, ``(loss, metrics)``."""
+        """``loss_fn`` on one microbatch: forward, per-token log-probs, ``(loss, metrics,
+        entropy_sum)`` with ``entropy_sum`` the next-token entropy summed over the active tokens."""
         tokens = mc["tokens"]
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logp = self.logprob_fn(self.apply_fn(params, tokens, positions), tokens)
-        return self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+        logits = self.apply_fn(params, tokens, positions)
+        logp = self.logprob_fn(logits, tokens)
+        loss, metrics = self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+        active = (mc["loss_mask"] > 0).astype(jnp.float32)
+        return loss, metrics, jnp.sum(self._entropy(logits) * active)
+
+    def _entropy(self, logits: jax.Array) -> jax.Array:
+        """Per-position entropy, with a gradient only when the bonus is on."""
+        if self.entropy_coef == 0:
+            logits = jax.lax.stop_gradient(logits)
+        return entropy_of(logits)
 
     def _step(self, state: TrainState, data: dict, rng: jax.Array):
         self.compiles += 1  # runs at trace time only
@@ -246,10 +265,14 @@ class TrainStep:
         n_micro = mb_rows // micro
         per_seq = self.loss_kwargs.get("agg", "token-mean") != "token-mean"
 
-        def micro_objective(params, mc, denom):
+        def micro_objective(params, mc, denom, n_tokens):
             # loss_i * count_i / denom summed over microbatches == the minibatch's aggregated loss
-            loss, metrics = self._micro_loss(params, mc)
-            return loss * jnp.maximum(metrics["loss_count"], 1.0) / denom, metrics
+            loss, metrics, ent_sum = self._micro_loss(params, mc)
+            metrics = {**metrics, "entropy_sum": jax.lax.stop_gradient(ent_sum)}
+            objective = loss * jnp.maximum(metrics["loss_count"], 1.0) / denom
+            if self.entropy_coef:
+                objective = objective - self.entropy_coef * ent_sum / n_tokens
+            return objective, metrics
 
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
@@ -263,7 +286,7 @@ class TrainStep:
 
             def acc(carry2, mc):
                 g_acc, s_acc = carry2
-                g, met = grad_fn(params, mc, denom)
+                g, met = grad_fn(params, mc, denom, jnp.maximum(tokens, 1.0))
                 g_acc = jax.tree.map(jnp.add, g_acc, g)
                 s_acc = {key: s_acc[key] + met[key] for key in s_acc}
                 return (g_acc, s_acc), None
@@ -282,6 +305,7 @@ class TrainStep:
             out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
                    "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
                    "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
+                   "entropy": sums["entropy_sum"] / nv,
                    "active": active.astype(jnp.float32), "tokens": tokens}
             return (params, opt_state), out
 

@@ -37,14 +37,15 @@ def _batches(seed, groups=3, **kw):
     return flat, packed, adv
 
 
-@pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.slow)])
-def test_packed_update_equals_flat_update(agg):
+@pytest.mark.parametrize("agg,entropy_coef", [("token-mean", 0.0), ("token-mean", 0.05),
+                                              pytest.param("seq-mean-token-mean", 0.05, marks=pytest.mark.slow)])
+def test_packed_update_equals_flat_update(agg, entropy_coef):
     policy = Policy(toy_transformer(seed=3))
     flat, packed, adv = _batches(4)
     # Behaviour log-probs a little off the policy so that some ratios clip.
     loss_kw = {"eps_clip": 0.05, "eps_clip_higher": 0.08, "c_clip": 2.0, "agg": agg}
     flat_step = TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, loss_kwargs=loss_kw,
-                          microbatch_rows=4)
+                          microbatch_rows=4, entropy_coef=entropy_coef)
     packed_step = PackedTrainStep.like(flat_step)
     s0 = flat_step.init_state(policy.params)
     fd = step_inputs(flat, adv)
@@ -55,7 +56,8 @@ def test_packed_update_equals_flat_update(agg):
     pd = packed_step_inputs(packed, flat, adv, agg=agg)
     s_flat, m_flat = flat_step(s0, fd, jax.random.key(0))
     s_pack, m_pack = packed_step(packed_step.init_state(policy.params), pd, jax.random.key(0))
-    for k in ("loss", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "trained_tokens", "grad_norm"):
+    for k in ("loss", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "trained_tokens", "grad_norm",
+              "entropy"):
         np.testing.assert_allclose(float(m_pack[k]), float(m_flat[k]), rtol=2e-5, atol=1e-6, err_msg=k)
     assert float(m_flat["clip_fraction"]) > 0
     p0 = jax.tree.leaves(policy.params)

@@ -95,6 +95,40 @@ def test_update_moves_logprobs_in_the_advantage_direction():
     assert after > before
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+def test_entropy_bonus_is_the_token_mean_entropy_of_the_minibatch(agg):
+    """One SGD step with the bonus moves params by -lr * grad(loss - c * H) with H the token mean of
+    the next-token entropy over the active tokens (microbatched: the accumulation is exact), and the
+    ``entropy`` metric is H; without the bonus the metric is the same and carries no gradient."""
+    from jaxprm.models.logprobs import entropy_of
+
+    policy = Policy(toy_transformer())
+    d = _data(8, 16, n_real=6, seed=9)
+    c, lr = 0.3, 0.1
+    pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
+    kw = {"eps_clip": 0.2, "agg": agg}
+
+    def objective(params):
+        logits = policy.apply_fn(params, d["tokens"], pos)
+        loss, _ = jaxprm.policy_loss(next_token_logprobs(logits, d["tokens"]), d["old_logprobs"], d["advantages"],
+                                     d["loss_mask"], **kw)
+        m = (d["loss_mask"] > 0).astype(jnp.float32)
+        return loss - c * jnp.sum(entropy_of(logits) * m) / m.sum(), jnp.sum(entropy_of(logits) * m) / m.sum()
+
+    grads, h = jax.grad(objective, has_aux=True)(policy.params)
+    for coef in (c, 0.0):
+        ts = TrainStep(policy.apply_fn, optax.sgd(lr), jaxprm.policy_loss, loss_kwargs=kw, microbatch_rows=2,
+                       entropy_coef=coef)
+        st, m = ts(ts.init_state(policy.params), d, jax.random.key(0))
+        np.testing.assert_allclose(float(m["entropy"]), float(h), rtol=1e-5)
+        if coef:
+            for new, old, g in zip(jax.tree.leaves(st.params), jax.tree.leaves(policy.params), jax.tree.leaves(grads)):
+                np.testing.assert_allclose(np.asarray(new) - np.asarray(old), -lr * np.asarray(g), rtol=2e-4,
+                                           atol=1e-7)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        TrainStep(policy.apply_fn, optax.sgd(lr), jaxprm.policy_loss, entropy_coef=-1.0)
+
+
 def test_schedule_warmup_and_cosine():
     cfg = load_config(None, ["optimizer.schedule=cosine", "optimizer.warmup_steps=4", "optimizer.lr=1e-3",
                              "steps=10", "optimizer.min_lr_ratio=0.1", "ppo.num_minibatches=1",
