@@ -300,6 +300,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            "server.batch_buckets", "must be a non-empty list of positive ints")
     _check(isinstance(sv.window_factor, int) and sv.window_factor >= 2, "server.window_factor",
            f"must be an int >= 2, got {sv.window_factor!r}")
+    _positive(sv, "server", "prefill_chunk", "max_prefill_tokens")
+    _check(sv.max_prefill_tokens >= sv.prefill_chunk, "server.max_prefill_tokens",
+           f"must be >= server.prefill_chunk ({sv.prefill_chunk}), got {sv.max_prefill_tokens}")
     p = cfg.ppo
     _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows", "microbatch_rows")
     _positive(p, "ppo", "entropy_coef", allow_zero=True)

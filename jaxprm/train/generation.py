@@ -61,7 +61,8 @@ class Generation:
                 model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
                 sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context,
                                 "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch)},
-                collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor)
+                collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor,
+                prefill_chunk=s.prefill_chunk, max_prefill_tokens=s.max_prefill_tokens)
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")
         else:

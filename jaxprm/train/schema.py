@@ -70,6 +70,12 @@ class ServerConfig:
     # x4 steps instead of x2 halve the programs a run compiles, for a little padding.
     batch_buckets: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16, 64])
     window_factor: int = 4
+    # embedded: chunked prefill (prompt tokens per sequence / padded tokens per call). Chunks are
+    # bucketed 16, 64, ... up to prefill_chunk and rows 1, 4, 16, ... up to max_prefill_tokens / 16;
+    # a FrozenLake turn's new suffix is ~40 tokens (the prefix cache holds the rest), so 64 / 256
+    # serve it with fewer (rows, chunk, window) programs than the standalone server's 256 / 1024.
+    prefill_chunk: int = 64
+    max_prefill_tokens: int = 256
     batch_window_ms: float = 5.0
     weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
     warn_behavior_kl: float = 0.05
