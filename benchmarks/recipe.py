@@ -44,27 +44,30 @@ def _overrides(run_dir: Path, seed: int, extra: list[str]) -> list[str]:
 
 
 def _check_recorded(run_dir: Path, overrides: list[str]) -> None:
-    """A reused run must have been made with this variant's config (up to the run keys)."""
+    """A reused run must have been made with this variant's config (up to the run keys); keys its
+    ``config.yaml`` lacks were added after it was made and are noted, not failed."""
     import dataclasses
 
     from jaxprm.train.config import load_config
+    from jaxprm.train.resume import changed_keys
 
-    want = dataclasses.asdict(load_config(None, overrides))
     got = yaml.safe_load((run_dir / "config.yaml").read_text())
-    diff, newer = [], []
-    for sec, v in want.items():
-        if isinstance(v, dict):
-            for k in v:
-                if k not in got.get(sec, {}):
-                    newer.append(f"{sec}.{k}")  # a key added after the run was made
-                elif got[sec][k] != v[k]:
-                    diff.append(f"{sec}.{k}")
-        elif sec not in _RUN_KEYS and got.get(sec) != v:
-            diff.append(sec)
+
+    def recorded(key: str) -> bool:
+        node = got
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    changed = [k for k, _, _ in changed_keys(got, dataclasses.asdict(load_config(None, overrides)))
+               if k not in _RUN_KEYS]
+    diff = [k for k in changed if recorded(k)]
     if diff:
         raise SystemExit(f"{run_dir}: recorded config differs from the variant's in {diff}; remove it to rerun")
-    if newer:
-        print(f"  note: {run_dir} predates {newer} (reused)", flush=True)
+    if changed:
+        print(f"  note: {run_dir} predates {changed} (reused)", flush=True)
 
 
 def _run(run_dir: Path, seed: int, extra: list[str]) -> float:

@@ -291,7 +291,8 @@ class WarmStartConfig:
     # loss (sampled 0.48, greedy 0.67; GRPO then gained at most ~6 points in 20 steps).
     imitate_noise: bool = True
     # 300 (was 200): some inits (seed 2) had not learned to read the map by step 200 (greedy 0.375 vs
-    # 0.438 at 300) and RL then gained only +9 points on them; +100 s on a fresh 2-core machine
+    # 0.438 at 300) and RL then gained only +9 points on them; a fresh 2-core machine's warm start
+    # took 178 s instead of 158 s
     steps: int = 300
     batch_size: int = 16
     lr: float = 3e-3
