@@ -11,25 +11,39 @@ its compile time went to.
 ``enable_persistent_cache(dir)`` turns on JAX's persistent compilation cache, so that a second run
 on the same machine loads its programs instead of compiling them. :class:`PhaseTimes` attributes a
 run's wall time to its phases, with compilation as a phase of its own.
+
+:class:`BackgroundCompiler` compiles programs ahead of time in a low-priority thread, into the
+persistent cache, while the run does other work (the trainer gives it the learner's neighbouring
+shape buckets). Its compilations are metered apart (``METER.background()``): they overlap the
+run's work, so they are not a phase of the wall time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import jax
 
-__all__ = ["CompileTotals", "METER", "PhaseTimes", "Span", "enable_persistent_cache"]
+__all__ = ["BackgroundCompiler", "CompileTotals", "METER", "PhaseTimes", "Span", "enable_persistent_cache",
+           "in_background"]
 
 _DURATIONS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
               "/jax/core/compile/backend_compile_duration")
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _HIT = "/jax/compilation_cache/cache_hits"
+_THREAD = threading.local()  # .background: this thread is a BackgroundCompiler's
+
+
+def in_background() -> bool:
+    """Whether the calling thread is a :class:`BackgroundCompiler`'s."""
+    return getattr(_THREAD, "background", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +64,7 @@ class _Meter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._totals = CompileTotals()
+        self._background = CompileTotals()
         self._by_fun: dict[str, CompileTotals] = {}
         self._installed = False
 
@@ -65,6 +80,11 @@ class _Meter:
     def _on_duration(self, name: str, seconds: float, fun_name: str = "?", **_) -> None:
         if name in _DURATIONS:
             n = int(name == _BACKEND)
+            if in_background():
+                with self._lock:
+                    b = self._background
+                    self._background = CompileTotals(b.count + n, b.cache_hits, b.seconds + seconds)
+                return
             fun = fun_name[4:-1] if fun_name.startswith("jit(") and fun_name.endswith(")") else fun_name
             with self._lock:
                 t = self._totals
@@ -75,6 +95,10 @@ class _Meter:
     def _on_event(self, name: str, **_) -> None:
         if name == _HIT:
             with self._lock:
+                if in_background():
+                    b = self._background
+                    self._background = CompileTotals(b.count, b.cache_hits + 1, b.seconds)
+                    return
                 t = self._totals
                 self._totals = CompileTotals(t.count, t.cache_hits + 1, t.seconds)
 
@@ -82,6 +106,13 @@ class _Meter:
         self.install()
         with self._lock:
             return self._totals
+
+    def background(self) -> CompileTotals:
+        """Running totals of the compilations done in :class:`BackgroundCompiler` threads (not in
+        ``snapshot()``)."""
+        self.install()
+        with self._lock:
+            return self._background
 
     def by_function(self) -> dict[str, CompileTotals]:
         """Running totals per traced function name (``jit(f)`` reported as ``f``), largest first;
@@ -104,6 +135,88 @@ def enable_persistent_cache(directory: str | Path, *, min_compile_time_s: float 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+class BackgroundCompiler:
+    """Compile programs ahead of time in one low-priority daemon thread.
+
+    ``submit(key, lower)``: ``lower()`` returns a ``jax.stages.Lowered`` (``jitted.lower(*specs)``
+    with ``jax.ShapeDtypeStruct`` specs); the thread compiles it, which with the persistent cache on
+    writes the program there, so the call that later meets that shape traces, lowers and loads it
+    instead of compiling. A key is compiled at most once; a failed compilation is counted in
+    ``errors`` and never raised (the real call will compile and report it). ``close()`` drops what
+    is still queued and waits for the program being compiled (at most one).
+    """
+
+    def __init__(self, *, niceness: int = 10) -> None:
+        self.niceness = niceness
+        self.submitted = 0
+        self.compiled = 0
+        self.errors: list[str] = []
+        self._seen: set[Hashable] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._idle = threading.Condition()
+        self._pending = 0
+
+    def submit(self, key: Hashable, lower: Callable[[], object]) -> bool:
+        """Queue ``lower`` under ``key``; False if the key was seen before or the compiler is closed."""
+        if self._closed or key in self._seen:
+            return False
+        self._seen.add(key)
+        self.submitted += 1
+        with self._idle:
+            self._pending += 1
+        self._queue.put(lower)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="jaxprm-precompile", daemon=True)
+            self._thread.start()
+        return True
+
+    def mark(self, key: Hashable) -> None:
+        """Note ``key`` as compiled elsewhere (a shape the run met): it is not submitted again."""
+        self._seen.add(key)
+
+    def _work(self) -> None:
+        _THREAD.background = True
+        with contextlib.suppress(Exception):  # Linux: a thread's own niceness; elsewhere: as is
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.niceness)
+        while True:
+            lower = self._queue.get()
+            if lower is None:
+                return
+            try:
+                lower().compile()
+                self.compiled += 1
+            except Exception as e:  # noqa: BLE001 - the real call compiles and reports it
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                self._done(1)
+
+    def _done(self, n: int) -> None:
+        with self._idle:
+            self._pending -= n
+            self._idle.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is empty (for tests); True if it emptied in time."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending <= 0, timeout)
+
+    def close(self) -> None:
+        """Drop the queued programs and wait for the one being compiled."""
+        self._closed = True
+        if self._thread is None:
+            return
+        dropped = 0
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+                dropped += 1
+        self._done(dropped)
+        self._queue.put(None)
+        self._thread.join()
 
 
 @dataclasses.dataclass

@@ -46,7 +46,7 @@ import jaxprm
 from jaxprm.models import save_pretrained
 from jaxprm.train import adapters, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
-from jaxprm.train.compilation import METER, CompileTotals, PhaseTimes, enable_persistent_cache
+from jaxprm.train.compilation import METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.packed import learn_packed
@@ -80,6 +80,9 @@ class Summary:
     compile_cache_hits: int = 0
     # the programs this run spent the most compile seconds on: name -> [programs, seconds]
     compile_top: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # compile.precompile: [programs, seconds] compiled ahead of time in the background thread
+    # (overlapping the run's work, so not a phase of wall_s)
+    background_compile: list[float] | None = None
 
     def describe(self) -> str:
         lines = [f"run dir: {self.run_dir}", f"steps: {self.steps}  wall: {self.wall_s:.0f}s"]
@@ -99,6 +102,9 @@ class Summary:
         if self.compile_top:
             lines.append("most compile time: " + ", ".join(
                 f"{name} {sec:.0f} s ({int(n)}x)" for name, (n, sec) in list(self.compile_top.items())[:5]))
+        if self.background_compile:
+            n, sec = self.background_compile
+            lines.append(f"compiled ahead of time in the background (overlapping the run): {int(n)} programs, {sec:.0f} s")
         return "\n".join(lines)
 
 
@@ -143,6 +149,11 @@ class _Job:
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
         self.cleanup.push("checkpointer", self.ckpt.close)
+        self.precompiler = None
+        if cfg.compile_cache.enabled and cfg.compile_cache.precompile:  # it compiles into the cache
+            self.precompiler = BackgroundCompiler()
+            self.cleanup.push("background compiler", self.precompiler.close)
+            self._background_base = METER.background()
 
         # Warm start (fresh runs only: a resumed run restores its params from the checkpoint).
         self.warm_report: dict[str, Any] = {}
@@ -426,10 +437,16 @@ class _Job:
                           first_eval=first_eval, last_eval=last_eval,
                           wall_s=time.perf_counter() - self.t_start, timings=dict(self.times.seconds),
                           compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
-                          compile_top=self._compile_top())
+                          compile_top=self._compile_top(), background_compile=self._background())
         (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
         return summary
 
+
+    def _background(self) -> list[float] | None:
+        if self.precompiler is None:
+            return None
+        d = METER.background() - self._background_base
+        return [d.count, round(d.seconds, 2)]
 
     def _compile_top(self, n: int = 10) -> dict[str, list[float]]:
         """This run's ``n`` costliest traced functions by compile seconds: ``{name: [programs, s]}``."""

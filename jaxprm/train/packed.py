@@ -15,6 +15,12 @@ the update equals the flat one. Denominators: the minibatch's (token, leaf) pair
 packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. flat groups whose
 leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
 costs gathers that only pay when tokens are actually shared.
+
+Each new packed shape ``(rows R, key length S)`` a step meets is a learner program (~4 s to compile
+on 2 CPU cores), and which shapes a run meets depends on its rollouts. ``neighbour_shapes`` gives
+the buckets one step away (``R`` one row bucket either side at the same ``S``, ``S`` one length
+bucket either side at the same ``R``); with a ``BackgroundCompiler`` the trainer compiles them in
+the background, so a later step, or the next run on the machine, loads them from the cache.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed
 from jaxprm.learner.packing import PackedBatch
 from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
 
-__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "MIN_SHARING"]
+__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "neighbour_shapes",
+           "MIN_SHARING"]
 
 MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
@@ -59,6 +66,50 @@ def packed_row_buckets(multiple: int, largest: int = 1 << 12) -> tuple[int, ...]
         out.append(k * multiple)
         k *= 2
     return tuple(out)
+
+
+def neighbour_shapes(rows: int, key_len: int, row_buckets, len_buckets) -> list[tuple[int, int]]:
+    """The packed shapes one bucket away from ``(rows, key_len)``: ``(rows, S')`` for the length
+    buckets either side of ``key_len``, then ``(R', key_len)`` for the row buckets either side of
+    ``rows`` (buckets as sorted sequences; a value not in its buckets has no neighbours on that
+    axis)."""
+
+    def around(x, buckets):
+        b = sorted(buckets)
+        if x not in b:
+            return []
+        i = b.index(x)
+        return [b[j] for j in (i - 1, i + 1) if 0 <= j < len(b)]
+
+    return [(rows, s) for s in around(key_len, len_buckets)] + [(r, key_len) for r in around(rows, row_buckets)]
+
+
+def _respec(inputs: dict, rows: int, key_len: int) -> dict:
+    """``jax.ShapeDtypeStruct`` specs of ``packed_step_inputs``' arrays for ``rows`` packed rows and
+    key slots of ``key_len`` (every array's leading axis is the rows; ``key_blocks [R, N, S]``)."""
+    out = {}
+    for k, v in inputs.items():
+        shape = (rows,) + tuple(v.shape[1:])
+        if k == "key_blocks":
+            shape = shape[:2] + (key_len,)
+        out[k] = jax.ShapeDtypeStruct(shape, v.dtype)
+    return out
+
+
+def precompile_neighbours(compiler, step: PackedTrainStep, state, inputs: dict, rng, row_buckets, len_buckets) -> int:
+    """Submit to ``compiler`` (a ``BackgroundCompiler``) the step's programs for the neighbouring
+    shapes of ``inputs`` (see :func:`neighbour_shapes`); the key names the shape, so each is
+    compiled once a run. Returns how many were new."""
+    R, N, S = inputs["key_blocks"].shape
+    L = inputs["tokens"].shape[1]
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    state_spec, rng_spec = jax.tree.map(spec, state), spec(rng)
+    n = 0
+    for r, s in neighbour_shapes(R, S, row_buckets, len_buckets):
+        specs = _respec(inputs, r, s)
+        n += compiler.submit(("packed_step", r, L, N, s),
+                             lambda specs=specs: step.lower(state_spec, specs, rng_spec))
+    return n
 
 
 class PackedTrainStep(TrainStep):
@@ -143,7 +194,13 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
     adv = jaxprm.compute_advantages(batch, job.adv_cfg)
     key = jax.random.fold_in(job.base_key, step)
     if use_packed:
-        job.state, m = packed_step(job.state, packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg), key)
+        inputs = packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg)
+        job.state, m = packed_step(job.state, inputs, key)
+        if getattr(job, "precompiler", None) is not None:
+            R, N, S = inputs["key_blocks"].shape
+            job.precompiler.mark(("packed_step", R, inputs["tokens"].shape[1], N, S))
+            precompile_neighbours(job.precompiler, packed_step, job.state, inputs, key,
+                                  packed_row_buckets(mult), cfg.ppo.len_buckets)
     else:
         job.state, m = job.step_fn(job.state, step_inputs(batch, adv.advantages), key)
     job.policy.params = job.state.params
@@ -153,6 +210,7 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
     out["seq_len"] = int(batch.tokens.shape[1])
     out["packed_rows"] = int((packed.row_weights > 0).sum())
     out["packed_len"] = int(packed.tokens.shape[1])
+    out["packed_blocks"] = int(packed.query_blocks.shape[1])
     out["forwarded_tokens"] = packed_tokens if use_packed else flat_tokens
     out["flat_tokens"] = flat_tokens
     out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))

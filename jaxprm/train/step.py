@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxprm.models.logprobs import entropy_of, next_token_logprobs
+from jaxprm.train.compilation import in_background
 
 __all__ = [
     "TrainState",
@@ -253,7 +254,8 @@ class TrainStep:
         return entropy_of(logits)
 
     def _step(self, state: TrainState, data: dict, rng: jax.Array):
-        self.compiles += 1  # runs at trace time only
+        if not in_background():  # runs at trace time only; ahead-of-time compiles are not counted
+            self.compiles += 1
         B, T = data["tokens"].shape
         n_mb = self.num_minibatches
         if B % n_mb:
@@ -335,6 +337,17 @@ class TrainStep:
         bs = self.batch_sharding()
         rep = NamedSharding(self.mesh, P())
         return jax.jit(self._step, in_shardings=(st, bs, rep), out_shardings=(st, rep), donate_argnums=(0,))
+
+    def lower(self, state: Any, data: dict, rng: Any):
+        """The step lowered for these inputs (arrays or ``jax.ShapeDtypeStruct`` specs), as a call
+        with them would be: ``step.lower(...).compile()`` compiles ahead of time (into the
+        persistent cache, where it is on)."""
+        if self._jitted is None:
+            self._jitted = self._build(state)
+        if self.mesh is not None:
+            with self.mesh:
+                return self._jitted.lower(state, data, rng)
+        return self._jitted.lower(state, data, rng)
 
     def __call__(self, state: TrainState, data: dict, rng: jax.Array):
         """One learner step on ``data`` (see :func:`step_inputs`); returns ``(state, metrics)``."""

@@ -57,3 +57,80 @@ def test_a_second_process_loads_its_programs_from_the_persistent_cache(tmp_path)
                            text=True, cwd=ROOT, timeout=120) for _ in range(2)]
     first, second = ([int(x) for x in r.stdout.split()] for r in runs)
     assert first[1] == 0 and second[1] >= 1 and second[1] == second[0], (first, second)
+
+
+def test_the_background_compiler_compiles_once_per_key_apart_from_the_phases():
+    from jaxprm.train.compilation import BackgroundCompiler
+
+    f = jax.jit(lambda x: jnp.sin(x) * 23.0 + x)
+    bc = BackgroundCompiler()
+    before, bg0 = METER.snapshot(), METER.background()
+    assert bc.submit("a", lambda: f.lower(jax.ShapeDtypeStruct((31,), jnp.float32)))
+    assert not bc.submit("a", lambda: f.lower(jax.ShapeDtypeStruct((31,), jnp.float32)))  # once per key
+    bc.mark("b")
+    assert not bc.submit("b", lambda: f.lower(jax.ShapeDtypeStruct((32,), jnp.float32)))
+    assert bc.submit("bad", lambda: 1 / 0)
+    assert bc.wait(timeout=120)
+    bc.close()
+    assert bc.compiled == 1 and len(bc.errors) == 1 and "ZeroDivisionError" in bc.errors[0]
+    assert (METER.background() - bg0).count == 1 and (METER.snapshot() - before).count == 0
+    assert not bc.submit("c", lambda: f.lower(jax.ShapeDtypeStruct((33,), jnp.float32)))  # closed
+
+
+_PRECOMPILE = """
+import sys
+import jax, optax
+import jaxprm
+from jaxprm.train.compilation import METER, BackgroundCompiler, enable_persistent_cache
+from jaxprm.train.packed import PackedTrainStep, packed_row_buckets, packed_step_inputs, precompile_neighbours
+from jaxprm.train.policy import Policy
+from tests.learner.trees import random_groups
+from tests.train._models import toy_transformer
+enable_persistent_cache(sys.argv[1])
+policy = Policy(toy_transformer())
+step = PackedTrainStep(policy.apply_fn, optax.adamw(1e-3), epochs=1, num_minibatches=2,
+                       loss_kwargs={"eps_clip": 0.2, "agg": "token-mean"})
+state = step.init_state(policy.params)
+
+def inputs(groups, T):
+    rows = random_groups(0, groups=groups, leaves=(2, 4), share=0.8, vocab=64, turns=3)
+    flat = jaxprm.pad_rows(rows, row_buckets=(32,), len_buckets=(T,), min_rows=32)
+    packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, row_buckets=packed_row_buckets(2), len_buckets=(128,),
+                              trees_per_row=1)
+    adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True)).advantages
+    return packed_step_inputs(packed, flat, adv, agg="token-mean")
+
+first, second = inputs(2, 64), inputs(3, 64)  # 2 / 3 trees, one a row: R = 2 / 4, S = T = 64
+assert first["key_blocks"].shape[::2] == (2, 64) and second["key_blocks"].shape[::2] == (4, 64)
+if sys.argv[2] == "precompile":
+    state, _ = step(state, first, jax.random.key(0))
+    bc = BackgroundCompiler()
+    n = precompile_neighbours(bc, step, state, first, jax.random.key(0), packed_row_buckets(2), (32, 64, 96))
+    assert bc.wait(timeout=300) and not bc.errors, bc.errors
+    bc.close()
+    print(n, bc.compiled, end=" ")
+before = METER.snapshot()
+state, _ = step(state, second, jax.random.key(1))
+d = METER.snapshot() - before
+print(d.count, d.cache_hits, step.compiles)
+"""
+
+
+def test_neighbouring_learner_shapes_compiled_in_the_background_are_loaded_later(tmp_path):
+    from jaxprm.train.packed import neighbour_shapes
+
+    assert neighbour_shapes(8, 640, (4, 8, 16), (512, 640, 768)) == [(8, 512), (8, 768), (4, 640), (16, 640)]
+    assert neighbour_shapes(4, 512, (4, 8), (512, 640)) == [(4, 640), (8, 512)]
+    assert neighbour_shapes(5, 512, (4, 8), (512,)) == []
+    runs = [subprocess.run([sys.executable, "-c", _PRECOMPILE, str(tmp_path / "xla"), mode], capture_output=True,
+                           text=True, cwd=ROOT, timeout=600) for mode in ("precompile", "load")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    n, compiled, count, hits, compiles = (int(x) for x in runs[0].stdout.split())
+    # (2, 32), (2, 96) and (4, 64); there is no row bucket below 2
+    assert n == compiled == 3
+    # in the same process the step with R = 4 reuses the background's trace and program
+    assert count == 0 and compiles == 1, (count, compiles)
+    # a later process loads it from the persistent cache: the keys match the real call's
+    count, hits, compiles = (int(x) for x in runs[1].stdout.split())
+    assert count >= 1 and hits == count and compiles == 1, (count, hits)
