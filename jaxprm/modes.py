@@ -4,7 +4,7 @@ Higher layers (the scorers' config, the trainer's YAML schema) validate against 
 without importing jax: ``jaxprm`` and ``jaxprm.learner`` load their kernels lazily.
 """
 
-__all__ = ["GAE_METHODS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "NORM_LEVELS", "SHAPING_MODES"]
+__all__ = ["BEHAVIOUR_WEIGHT_MODES", "GAE_METHODS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "NORM_LEVELS", "SHAPING_MODES"]
 
 #: ``jaxprm.gae(method=...)``.
 GAE_METHODS = ("scan", "associative", "cumsum")
@@ -16,3 +16,5 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 NORM_LEVELS = ("batch", "group", None)
 #: ``jaxprm.shape_advantages(mode=...)``: how process rewards shape advantages (DESIGN.md).
 SHAPING_MODES = ("additive", "gvpo", "process_weighted")
+#: ``jaxprm.decoupled_policy_loss(behave_mode=...)``: how the behaviour importance weight is capped.
+BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask", "mask_sequence")

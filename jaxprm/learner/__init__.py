@@ -22,7 +22,10 @@ from jaxprm.learner.gae import (
     gae,
 )
 from jaxprm.learner.loss import (
+    BEHAVIOUR_WEIGHT_MODES,
     PolicyLossTerms,
+    behaviour_weights,
+    decoupled_policy_loss,
     policy_loss,
     policy_loss_terms,
 )
@@ -66,6 +69,7 @@ from jaxprm.modes import (
 __all__ = [
     "AdvantageConfig",
     "Advantages",
+    "BEHAVIOUR_WEIGHT_MODES",
     "Batch",
     "GAE_METHODS",
     "KL_ESTIMATORS",
@@ -76,9 +80,11 @@ __all__ = [
     "PolicyLossTerms",
     "RowData",
     "SHAPING_MODES",
+    "behaviour_weights",
     "bucket_size",
     "check_uniform_turn_rewards",
     "compute_advantages",
+    "decoupled_policy_loss",
     "fold_turn_rewards",
     "gae",
     "gather_to_flat",

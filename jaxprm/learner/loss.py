@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxprm.learner._checks import check_2d_same, check_choice, check_float
-from jaxprm.modes import LOSS_AGGREGATIONS
+from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
 
-__all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS"]
-
+__all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS", "decoupled_policy_loss",
+           "behaviour_weights", "BEHAVIOUR_WEIGHT_MODES"]
 
 
 class PolicyLossTerms(NamedTuple):
@@ -112,17 +112,23 @@ def policy_loss(
         logprobs, old_logprobs, advantages, mask,
         eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip,
     )
-    m = (jnp.asarray(mask) > 0).astype(t.pg_loss.dtype)
+    return _aggregate(t, t.pg_loss, mask, agg)
+
+
+def _aggregate(t: PolicyLossTerms, pg_loss: jax.Array, mask: jax.Array, agg: str):
+    """``(loss, metrics)`` of the per-token losses ``pg_loss [B, T]`` under ``agg`` (see
+    ``policy_loss``), with the clip / KL / ratio sums of ``t``."""
+    m = (jnp.asarray(mask) > 0).astype(pg_loss.dtype)
     n_valid = jnp.sum(m)
     row_cnt = jnp.sum(m, axis=1)
-    row_sum = jnp.sum(t.pg_loss, axis=1)
+    row_sum = jnp.sum(pg_loss, axis=1)
     if agg == "token-mean":
         loss_sum, loss_count = jnp.sum(row_sum), n_valid
     else:
         has = row_cnt > 0
         per_row = row_sum / jnp.maximum(row_cnt, 1.0) if agg == "seq-mean-token-mean" else row_sum
         loss_sum = jnp.sum(jnp.where(has, per_row, 0.0))
-        loss_count = jnp.sum(has.astype(t.pg_loss.dtype))
+        loss_count = jnp.sum(has.astype(pg_loss.dtype))
     loss = loss_sum / jnp.maximum(loss_count, 1.0)
     sums = {
         "clip_sum": jnp.sum(t.clip_mask.astype(m.dtype)),
@@ -131,6 +137,96 @@ def policy_loss(
         "ratio_sum": jax.lax.stop_gradient(jnp.sum(t.ratio)),
     }
     return loss, loss_metrics(loss_sum, loss_count, n_valid, sums)
+
+
+def behaviour_weights(
+    proximal_logprobs: jax.Array,
+    behave_logprobs: jax.Array,
+    mask: jax.Array,
+    *,
+    cap: float | None = None,
+    mode: str = "truncate",
+) -> tuple[jax.Array, jax.Array]:
+    """Importance weights of the proximal policy over the behaviour policy, ``[B, T]``.
+
+    ``w = exp(proximal_logprobs - behave_logprobs)`` on active tokens (no gradient), then, with a
+    ``cap``:
+
+    * ``"truncate"``: ``min(w, cap)`` (token-level truncated importance sampling);
+    * ``"mask"``: 0 where ``w > cap`` (AReaL's token mask: the token leaves the numerator, not the
+      denominator);
+    * ``"mask_sequence"``: 0 on every token of a row whose sequence weight ``prod_t w_t`` is
+      above ``cap``.
+
+    Returns ``(weights, capped)``: the weights (0 where the mask is 0) and a bool ``[B, T]``, the
+    active tokens the cap changed.
+    """
+    check_2d_same(proximal_logprobs=proximal_logprobs, behave_logprobs=behave_logprobs, mask=mask)
+    check_choice("mode", mode, BEHAVIOUR_WEIGHT_MODES)
+    if cap is not None and not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    active = jnp.asarray(mask) > 0
+    dtype = jnp.result_type(proximal_logprobs, jnp.float32)
+    gap = jnp.where(active, jnp.asarray(proximal_logprobs, dtype) - jnp.asarray(behave_logprobs, dtype), 0.0)
+    gap = jax.lax.stop_gradient(gap)
+    w = jnp.where(active, jnp.exp(gap), 0.0)
+    if cap is None:
+        return w, jnp.zeros_like(active)
+    if mode == "truncate":
+        capped = active & (w > cap)
+        return jnp.minimum(w, cap), capped
+    if mode == "mask":
+        capped = active & (w > cap)
+    else:
+        capped = active & (jnp.sum(gap, axis=1, keepdims=True) > jnp.log(cap))
+    return jnp.where(capped, 0.0, w), capped
+
+
+def decoupled_policy_loss(
+    logprobs: jax.Array,
+    proximal_logprobs: jax.Array,
+    behave_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    agg: str = "token-mean",
+    behave_cap: float | None = None,
+    behave_mode: str = "truncate",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoupled PPO (AReaL): the clipped loss around a proximal policy, importance-weighted from
+    the behaviour policy that sampled the tokens.
+
+    On active tokens, with ``r = exp(logprobs - proximal_logprobs)`` and ``w`` the
+    ``behaviour_weights(proximal_logprobs, behave_logprobs, cap=behave_cap, mode=behave_mode)``::
+
+        pg = w * max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))   # (dual clip as policy_loss)
+
+    aggregated as ``policy_loss`` (``agg``). When the proximal and behaviour log-probs are the same
+    array (synchronous training) ``w = 1`` and this is ``policy_loss(logprobs, behave_logprobs,
+    ...)`` exactly. All inputs ``[B, T]``.
+
+    Returns ``(loss, metrics)``: ``policy_loss``'s metrics (clip fraction and approx KL against the
+    proximal policy) plus ``behave_gap_sum`` / ``behave_gap_max`` (``|proximal - behave|`` summed
+    and largest over active tokens), ``behave_capped_sum`` (tokens the cap changed) and their
+    means ``behave_gap`` / ``behave_capped_fraction``.
+    """
+    check_choice("agg", agg, LOSS_AGGREGATIONS)
+    t = policy_loss_terms(logprobs, proximal_logprobs, advantages, mask,
+                          eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip)
+    w, capped = behaviour_weights(proximal_logprobs, behave_logprobs, mask, cap=behave_cap, mode=behave_mode)
+    loss, metrics = _aggregate(t, t.pg_loss * w.astype(t.pg_loss.dtype), mask, agg)
+    active = jnp.asarray(mask) > 0
+    gap = jnp.where(active, jnp.abs(jnp.asarray(proximal_logprobs, w.dtype) - jnp.asarray(behave_logprobs, w.dtype)), 0.0)
+    gap = jax.lax.stop_gradient(gap)
+    n = jnp.maximum(metrics["n_valid_tokens"], 1.0)
+    extra = {"behave_gap_sum": jnp.sum(gap), "behave_gap_max": jnp.max(gap, initial=0.0),
+             "behave_capped_sum": jnp.sum(capped.astype(w.dtype))}
+    extra["behave_gap"] = extra["behave_gap_sum"] / n
+    extra["behave_capped_fraction"] = extra["behave_capped_sum"] / n
+    return loss, {**metrics, **extra}
 
 
 def loss_metrics(loss_sum: jax.Array, loss_count: jax.Array, n_valid: jax.Array,

@@ -99,6 +99,7 @@ def packed_policy_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     agg: str = "token-mean",
+    weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``jaxprm.policy_loss`` of the flat rows, computed on packed tokens (exact).
 
@@ -112,6 +113,11 @@ def packed_policy_loss(
     ``policy_loss`` on the flat rows: ``clip_sum = sum n_pos [r > 1 + eps_high] + n_neg
     [r < 1 - eps]``, ``dual_clip_sum = sum n_neg [max(r, 1 - eps) > c_clip]``, ``approx_kl_sum``
     and ``ratio_sum`` weighted by ``count``, ``n_valid_tokens = sum count``.
+
+    With ``weights`` ``[R, L]`` (per packed token, no gradient: ``jaxprm.behaviour_weights`` of a
+    token-level mode) each token's term is multiplied by its weight, which is
+    ``jaxprm.decoupled_policy_loss`` of the flat rows when ``old_logprobs`` are the proximal ones
+    (a shared token has one weight for all its leaves).
 
     Args:
       logprobs, old_logprobs: ``[R, L]`` token-aligned (differentiable w.r.t. ``logprobs``).
@@ -138,6 +144,9 @@ def packed_policy_loss(
     else:
         dual = jnp.zeros_like(active)
     pg = jnp.where(active, -adv.pos * f_pos + adv.neg * f_neg, 0.0)
+    if weights is not None:
+        check_2d_same(logprobs=logprobs, weights=weights)
+        pg = pg * jax.lax.stop_gradient(jnp.asarray(weights, dt))
     loss_sum = jnp.sum(pg)
     n_valid = jnp.sum(adv.count)
     loss_count = n_valid if agg == "token-mean" else jnp.sum(adv.row_leaves)

@@ -144,6 +144,7 @@ class _Job:
             epochs=cfg.ppo.epochs, num_minibatches=cfg.ppo.num_minibatches, loss_kwargs=adapters.loss_kwargs(cfg),
             mesh=self.mesh if n_dev > 1 else None, microbatch_rows=cfg.ppo.microbatch_rows,
             entropy_coef=cfg.ppo.entropy_coef,
+            behaviour={"cap": cfg.ppo.behave_cap, "mode": cfg.ppo.behave_mode} if cfg.ppo.decoupled else None,
         )
         self.adv_cfg = adapters.advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
@@ -243,6 +244,9 @@ class _Job:
             batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         data = step_inputs(batch, adv.advantages)
+        if self.cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
+            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
+            data["proximal_logprobs"] = reference_logprobs(self.policy.apply_fn, self.state.params, batch.tokens, pos)
         key = jax.random.fold_in(self.base_key, step)
         self.state, m = self.step_fn(self.state, data, key)
         self.policy.params = self.state.params

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import jaxprm
 from rollout.export import export_groups_packed
 
+from jaxprm.learner.loss import behaviour_weights
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import PackedBatch
 from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
@@ -123,9 +124,12 @@ class PackedTrainStep(TrainStep):
 
     def __init__(self, apply_fn, optimizer, *, epochs: int = 1, num_minibatches: int = 1,
                  loss_kwargs: dict | None = None, mesh=None, microbatch_tokens: int | None = None,
-                 entropy_coef: float = 0.0) -> None:
+                 entropy_coef: float = 0.0, behaviour: dict | None = None) -> None:
         super().__init__(apply_fn, optimizer, packed_policy_loss, epochs=epochs, num_minibatches=num_minibatches,
-                         loss_kwargs=loss_kwargs, mesh=mesh, entropy_coef=entropy_coef)
+                         loss_kwargs=loss_kwargs, mesh=mesh, entropy_coef=entropy_coef, behaviour=behaviour)
+        if self.behaviour is not None and self.behaviour["mode"] == "mask_sequence":
+            raise ValueError("behaviour mode 'mask_sequence' needs the flat rows: a packed token is shared by "
+                             "several sequences (use 'truncate' or 'mask', or the flat export)")
         self.microbatch_tokens = microbatch_tokens
 
     @classmethod
@@ -133,7 +137,7 @@ class PackedTrainStep(TrainStep):
         """A packed step with the optimizer, loss options, epochs, minibatches and mesh of ``step``."""
         return cls(step.apply_fn, step.optimizer, epochs=step.epochs, num_minibatches=step.num_minibatches,
                    loss_kwargs=step.loss_kwargs, mesh=step.mesh, microbatch_tokens=microbatch_tokens,
-                   entropy_coef=step.entropy_coef)
+                   entropy_coef=step.entropy_coef, behaviour=step.behaviour)
 
     def _micro_rows(self, mb_rows: int, L: int) -> int:
         if not self.microbatch_tokens:
@@ -157,10 +161,25 @@ class PackedTrainStep(TrainStep):
                                key_blocks=mc["key_blocks"])
         logp = packed_logprobs(logits, mc["tokens"], mc["parents"])
         adv = PackedAdvantages(**{key: mc[key] for key in PackedAdvantages._fields})
-        loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **self.loss_kwargs)
+        if self.behaviour is not None:
+            loss, metrics = self._decoupled_loss(logp, mc, adv)
+        else:
+            loss, metrics = packed_policy_loss(logp, mc["old_logprobs"], adv, **self.loss_kwargs)
         # a packed token's entropy is its parent position's, counted once per (token, leaf) pair
         ent = jnp.take_along_axis(self._entropy(logits), jnp.maximum(mc["parents"], 0), axis=1)
         return loss, metrics, jnp.sum(jnp.where(mc["parents"] >= 0, ent, 0.0) * mc["count"])
+
+
+    def _decoupled_loss(self, logp, mc: dict, adv: PackedAdvantages):
+        """``decoupled_policy_loss`` of the flat rows on packed tokens: ratios against the proximal
+        log-probs, each token weighted by its capped behaviour weight; the gap and capped sums are
+        weighted by the token's (token, leaf) pairs, as the flat rows count them."""
+        prox, behave, count = mc["proximal_logprobs"], mc["old_logprobs"], adv.count
+        w, capped = behaviour_weights(prox, behave, count, cap=self.behaviour["cap"], mode=self.behaviour["mode"])
+        loss, metrics = packed_policy_loss(logp, prox, adv, weights=w, **self.loss_kwargs)
+        gap = jax.lax.stop_gradient(jnp.where(count > 0, jnp.abs(prox - behave), 0.0))
+        metrics = {**metrics, "behave_gap_sum": jnp.sum(count * gap), "behave_capped_sum": jnp.sum(count * capped)}
+        return loss, metrics
 
 
 def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
@@ -195,6 +214,8 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
     key = jax.random.fold_in(job.base_key, step)
     if use_packed:
         inputs = packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg)
+        if cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
+            inputs["proximal_logprobs"] = _packed_ref_logprobs(job.policy.apply_fn, job.state.params, packed)
         job.state, m = packed_step(job.state, inputs, key)
         if getattr(job, "precompiler", None) is not None:
             R, N, S = inputs["key_blocks"].shape
@@ -202,7 +223,11 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
             precompile_neighbours(job.precompiler, packed_step, job.state, inputs, key,
                                   packed_row_buckets(mult), cfg.ppo.len_buckets)
     else:
-        job.state, m = job.step_fn(job.state, step_inputs(batch, adv.advantages), key)
+        data = step_inputs(batch, adv.advantages)
+        if cfg.ppo.decoupled:
+            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
+            data["proximal_logprobs"] = reference_logprobs(job.policy.apply_fn, job.state.params, batch.tokens, pos)
+        job.state, m = job.step_fn(job.state, data, key)
     job.policy.params = job.state.params
     out = {k: float(v) for k, v in jax.device_get(m).items()}
     out["packed_step"] = float(use_packed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from jaxprm.modes import KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
+from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
 from rollout.client import DIALECTS
 from rollout.tree import GROUP_MODES, STRATEGIES
 
@@ -268,6 +268,14 @@ class PPOConfig:
     # entropy bonus: the objective is loss - entropy_coef * (token-mean next-token entropy); the
     # train rows' ``entropy`` is that mean whatever the coefficient
     entropy_coef: float = 0.0
+    # decoupled PPO (AReaL): the learner recomputes the proximal log-probs with its weights at the
+    # start of each step; the ratio is taken against them and each token's loss is weighted by the
+    # behaviour importance weight exp(proximal - sampled) capped at behave_cap (behave_mode:
+    # truncate | mask | mask_sequence; mask_sequence needs rollout.export: flat). One more forward
+    # a step; it corrects sampler/learner mismatch, and stale samples once rollouts run ahead.
+    decoupled: bool = False
+    behave_cap: float | None = 2.0
+    behave_mode: Literal[BEHAVIOUR_WEIGHT_MODES] = "truncate"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
     microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
     len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 640, 768, 1024, 2048, 4096])

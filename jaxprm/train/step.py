@@ -26,7 +26,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxprm.learner import decoupled_policy_loss
 from jaxprm.models.logprobs import entropy_of, next_token_logprobs
+from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES
 from jaxprm.train.compilation import in_background
 
 __all__ = [
@@ -160,6 +162,12 @@ class TrainStep:
         the token mean, over the minibatch's active tokens (whatever ``agg``), of the policy's
         next-token entropy ``-sum_v p log p``. The ``entropy`` metric is that mean (reported for
         any ``c``; with ``c = 0`` it carries no gradient).
+      behaviour: decoupled PPO (AReaL): ``{"cap": float | None, "mode": str}`` (see
+        ``jaxprm.behaviour_weights``). ``data`` then carries ``proximal_logprobs`` (the learner's
+        own log-probs before the step), the ratio is taken against them and each token's loss is
+        weighted by ``exp(proximal - old)`` capped; ``loss_fn`` is ``jaxprm.decoupled_policy_loss``
+        in place of the given one. Metrics gain ``behave_gap`` (mean ``|proximal - old|``) and
+        ``behave_capped_fraction``.
     """
 
     def __init__(
@@ -175,6 +183,7 @@ class TrainStep:
         logprob_fn: Callable = next_token_logprobs,
         microbatch_rows: int | None = None,
         entropy_coef: float = 0.0,
+        behaviour: dict | None = None,
     ) -> None:
         if not entropy_coef >= 0:
             raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
@@ -188,6 +197,11 @@ class TrainStep:
         self.logprob_fn = logprob_fn
         self.microbatch_rows = microbatch_rows
         self.entropy_coef = float(entropy_coef)
+        self.behaviour = None if behaviour is None else {"cap": behaviour.get("cap"), "mode": behaviour.get("mode", "truncate")}
+        if self.behaviour is not None:
+            if self.behaviour["mode"] not in BEHAVIOUR_WEIGHT_MODES:
+                raise ValueError(f"behaviour mode must be one of {BEHAVIOUR_WEIGHT_MODES}, got {self.behaviour['mode']!r}")
+            self.SUM_KEYS = (*self.SUM_KEYS, "behave_gap_sum", "behave_capped_sum")
         self.compiles = 0  # number of traces of the step (one per distinct input shape)
         self._jitted = None
         self._state_shardings = None
@@ -243,7 +257,13 @@ class TrainStep:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         logits = self.apply_fn(params, tokens, positions)
         logp = self.logprob_fn(logits, tokens)
-        loss, metrics = self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"], **self.loss_kwargs)
+        if self.behaviour is not None:
+            loss, metrics = decoupled_policy_loss(
+                logp, mc["proximal_logprobs"], mc["old_logprobs"], mc["advantages"], mc["loss_mask"],
+                behave_cap=self.behaviour["cap"], behave_mode=self.behaviour["mode"], **self.loss_kwargs)
+        else:
+            loss, metrics = self.loss_fn(logp, mc["old_logprobs"], mc["advantages"], mc["loss_mask"],
+                                         **self.loss_kwargs)
         active = (mc["loss_mask"] > 0).astype(jnp.float32)
         return loss, metrics, jnp.sum(self._entropy(logits) * active)
 
@@ -309,6 +329,8 @@ class TrainStep:
                    "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
                    "entropy": sums["entropy_sum"] / nv,
                    "active": active.astype(jnp.float32), "tokens": tokens}
+            if self.behaviour is not None:
+                out.update(behave_gap=sums["behave_gap_sum"] / nv, behave_capped_fraction=sums["behave_capped_sum"] / nv)
             return (params, opt_state), out
 
         def epoch(carry, key):

@@ -91,7 +91,20 @@ def shape(A, p, mask, mode, negative_scale=0.2, zero_penalty=0.4, zero_eps=1e-6)
     return out
 
 
-def policy_loss(logp, old, A, mask, eps_clip, eps_hi, c_clip, agg):
+def behaviour_weights(prox, behave, mask, cap, mode):
+    m = np.asarray(mask) > 0
+    w = np.where(m, np.exp(prox - behave), 0.0)
+    if cap is None:
+        return w
+    if mode == "truncate":
+        return np.minimum(w, cap)
+    if mode == "mask":
+        return np.where(w > cap, 0.0, w)
+    seq = np.array([np.prod(w[b][m[b]]) for b in range(w.shape[0])])  # mask_sequence
+    return np.where((seq > cap)[:, None], 0.0, w)
+
+
+def policy_loss(logp, old, A, mask, eps_clip, eps_hi, c_clip, agg, weights=None):
     m = np.asarray(mask) > 0
     hi = eps_clip if eps_hi is None else eps_hi
     ratio = np.where(m, np.exp(logp - old), 0.0)
@@ -99,6 +112,8 @@ def policy_loss(logp, old, A, mask, eps_clip, eps_hi, c_clip, agg):
     if c_clip is not None:
         pg = np.minimum(pg, c_clip * np.abs(A))
     pg = np.where(m, pg, 0.0)
+    if weights is not None:
+        pg = pg * weights
     if agg == "token-mean":
         return pg.sum() / max(m.sum(), 1)
     per_row = []

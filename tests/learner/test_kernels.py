@@ -126,6 +126,61 @@ def test_policy_loss_matches_reference(data, agg, c_clip, eps_hi):
 
 
 @SETTINGS
+@given(masked_batch(), st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]),
+       st.sampled_from([None, 3.0]), st.sampled_from([(None, "truncate"), (1.5, "truncate"), (1.5, "mask"),
+                                                      (2.0, "mask_sequence")]))
+def test_decoupled_policy_loss_and_its_gradient_match_the_reference(data, agg, c_clip, cap_mode):
+    rng, mask, _ = data
+    cap, mode = cap_mode
+    logp, prox = -rng.random(mask.shape) * 3, -rng.random(mask.shape) * 3
+    behave = prox + rng.normal(size=mask.shape) * 0.5  # stale samples: w = exp(prox - behave) around 1
+    A = rng.normal(size=mask.shape)
+    kw = dict(eps_clip=0.2, eps_clip_higher=0.28, c_clip=c_clip, agg=agg, behave_cap=cap, behave_mode=mode)
+    w = ref.behaviour_weights(prox, behave, mask, cap, mode)
+
+    def want(lp):
+        return ref.policy_loss(lp, prox, A, mask, 0.2, 0.28, c_clip, agg, weights=w)
+
+    loss, m = jaxprm.decoupled_policy_loss(logp, prox, behave, A, mask, **kw)
+    np.testing.assert_allclose(loss, want(logp), rtol=1e-10, atol=1e-12)
+    grad = jax.grad(lambda lp: jaxprm.decoupled_policy_loss(lp, prox, behave, A, mask, **kw)[0])(logp)
+    h, fd = 1e-6, np.zeros_like(logp)
+    for i in np.ndindex(*logp.shape):
+        e = np.zeros_like(logp)
+        e[i] = h
+        fd[i] = (want(logp + e) - want(logp - e)) / (2 * h)
+    np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-7)
+    active = mask > 0
+    gap = np.abs(prox - behave)[active]
+    np.testing.assert_allclose(m["behave_gap_max"], gap.max() if gap.size else 0.0, rtol=1e-12)
+    capped = 0 if cap is None else int(((w != np.where(active, np.exp(prox - behave), 0.0)) & active).sum())
+    assert int(m["behave_capped_sum"]) == capped
+
+
+@SETTINGS
+@given(masked_batch(), st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+def test_decoupled_loss_with_the_behaviour_as_proximal_policy_is_the_synchronous_loss(data, agg):
+    rng, mask, _ = data
+    logp, old, A = -rng.random(mask.shape) * 3, -rng.random(mask.shape) * 3, rng.normal(size=mask.shape)
+    kw = dict(eps_clip=0.2, eps_clip_higher=0.28, c_clip=3.0, agg=agg)
+    sync = lambda lp: jaxprm.policy_loss(lp, old, A, mask, **kw)[0]  # noqa: E731
+    dec = lambda lp: jaxprm.decoupled_policy_loss(lp, old, old, A, mask, **kw)[0]  # noqa: E731
+    for cap in (None, 2.0):
+        d = lambda lp: jaxprm.decoupled_policy_loss(lp, old, old, A, mask, behave_cap=cap, **kw)[0]  # noqa: E731
+        assert float(d(logp)) == float(sync(logp))
+        np.testing.assert_array_equal(jax.grad(d)(logp), jax.grad(sync)(logp))
+    assert float(dec(logp)) == float(sync(logp))
+
+
+def test_behaviour_weights_refuse_a_bad_cap_or_mode():
+    z = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        jaxprm.behaviour_weights(z, z, z, cap=0.0)
+    with pytest.raises(ValueError, match="mode"):
+        jaxprm.behaviour_weights(z, z, z, cap=2.0, mode="clip")
+
+
+@SETTINGS
 @given(masked_batch(), st.sampled_from(["k1", "k2", "k3"]))
 def test_kl_matches_reference(data, estimator):
     rng, mask, _ = data

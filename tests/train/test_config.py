@@ -101,6 +101,9 @@ def test_file_then_overrides(tmp_path):
         (["server.window_factor=1"], "server.window_factor"),
         (["server.batch_buckets=[]"], "server.batch_buckets"),
         (["ppo.packed_len_buckets=[0]"], "ppo.packed_len_buckets"),
+        (["ppo.behave_cap=0"], "ppo.behave_cap"),
+        (["ppo.behave_mode=clip"], "ppo.behave_mode: got 'clip'"),
+        (["ppo.decoupled=true", "ppo.behave_mode=mask_sequence"], "mask_sequence needs rollout.export: concat"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):

@@ -66,6 +66,67 @@ def test_packed_update_equals_flat_update(agg, entropy_coef):
         np.testing.assert_allclose(step_pack, step_flat, rtol=1e-4, atol=1e-4 * max(np.abs(step_flat).max(), 1e-6))
 
 
+def _decoupled_inputs(policy, seed=4, agg="token-mean"):
+    """Flat and packed step inputs whose behaviour log-probs are off the policy and whose proximal
+    log-probs are off both (the same per packed token in the two layouts)."""
+    flat, packed, adv = _batches(seed)
+    rng = np.random.default_rng(1)
+    noise = lambda s: jnp.asarray(rng.normal(size=packed.shape) * s, jnp.float32) * packed.loss_mask  # noqa: E731
+    behave = packed.old_logprobs + noise(0.1)
+    prox = behave + noise(0.1)
+    to_flat = lambda x: jaxprm.learner.gather_to_flat(x, packed.flat_index)  # noqa: E731
+    fd = step_inputs(flat, adv)
+    fd["old_logprobs"] = to_flat(behave) * fd["loss_mask"]
+    fd["proximal_logprobs"] = to_flat(prox) * fd["loss_mask"]
+    pd = packed_step_inputs(packed.replace(old_logprobs=behave), flat, adv, agg=agg)
+    pd["proximal_logprobs"] = prox
+    return fd, pd
+
+
+@pytest.mark.parametrize("mode,cap", [("truncate", 1.05), ("mask", 1.05)])
+def test_decoupled_packed_update_equals_the_flat_one(mode, cap):
+    policy = Policy(toy_transformer(seed=3))
+    fd, pd = _decoupled_inputs(policy)
+    loss_kw = {"eps_clip": 0.05, "eps_clip_higher": 0.08, "c_clip": 2.0, "agg": "token-mean"}
+    flat_step = TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, loss_kwargs=loss_kw,
+                          microbatch_rows=4, behaviour={"cap": cap, "mode": mode})
+    packed_step = PackedTrainStep.like(flat_step)
+    s_flat, m_flat = flat_step(flat_step.init_state(policy.params), fd, jax.random.key(0))
+    s_pack, m_pack = packed_step(packed_step.init_state(policy.params), pd, jax.random.key(0))
+    assert 0.01 < float(m_flat["behave_capped_fraction"]) < 0.9 and float(m_flat["behave_gap"]) > 0.01
+    for k in ("loss", "clip_fraction", "approx_kl", "grad_norm", "behave_gap", "behave_capped_fraction"):
+        np.testing.assert_allclose(float(m_pack[k]), float(m_flat[k]), rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(s_flat.params), jax.tree.leaves(s_pack.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_decoupled_step_with_the_behaviour_as_proximal_policy_is_the_synchronous_step(packed):
+    policy = Policy(toy_transformer(seed=3))
+    fd, pd = _decoupled_inputs(policy)
+    data = pd if packed else fd
+    data["proximal_logprobs"] = data["old_logprobs"]
+    loss_kw = {"eps_clip": 0.05, "eps_clip_higher": 0.08, "agg": "token-mean"}
+    plain = TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, loss_kwargs=loss_kw, microbatch_rows=4)
+    decoupled = TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, loss_kwargs=loss_kw,
+                          microbatch_rows=4, behaviour={"cap": 2.0, "mode": "truncate"})
+    if packed:
+        plain, decoupled = PackedTrainStep.like(plain), PackedTrainStep.like(decoupled)
+    base = {k: v for k, v in data.items() if k != "proximal_logprobs"}
+    s_a, m_a = plain(plain.init_state(policy.params), base, jax.random.key(0))
+    s_b, m_b = decoupled(decoupled.init_state(policy.params), data, jax.random.key(0))
+    assert float(m_b["behave_gap"]) == 0.0 and float(m_b["behave_capped_fraction"]) == 0.0
+    assert float(m_a["loss"]) == float(m_b["loss"])
+    for a, b in zip(jax.tree.leaves(s_a.params), jax.tree.leaves(s_b.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mask_sequence_is_refused_on_packed_rows():
+    policy = Policy(toy_transformer())
+    with pytest.raises(ValueError, match="mask_sequence"):
+        PackedTrainStep(policy.apply_fn, optax.sgd(1.0), behaviour={"cap": 2.0, "mode": "mask_sequence"})
+
+
 def test_packed_step_is_bucketed_and_does_not_recompile():
     policy = Policy(toy_transformer())
     step = PackedTrainStep(policy.apply_fn, optax.adamw(1e-3), epochs=2, num_minibatches=2,
