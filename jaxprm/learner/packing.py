@@ -38,6 +38,7 @@ import numpy as np
 from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, RowData, bucket_size
 
 __all__ = [
+    "DEFAULT_BLOCK_BUCKETS",
     "PackedBatch",
     "pack_rows",
     "gather_to_flat",
@@ -99,7 +100,7 @@ jax.tree_util.register_dataclass(
 # ---------------------------------------------------------------------------------------------
 # Building (numpy, on the host)
 
-_BLOCK_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+DEFAULT_BLOCK_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def _shared_prefix(a: RowData, b: RowData) -> int:
@@ -223,7 +224,7 @@ def pack_rows(
     trees_per_row: int | None = None,
     query_block: int = 64,
     key_len_buckets: Sequence[int] | None = None,
-    block_buckets: Sequence[int] = _BLOCK_BUCKETS,
+    block_buckets: Sequence[int] = DEFAULT_BLOCK_BUCKETS,
 ) -> PackedBatch:
     """Pack token-aligned rows (as ``pad_rows`` takes them) into a ``PackedBatch``.
 

@@ -16,16 +16,17 @@ packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. fl
 leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
 costs gathers that only pay when tokens are actually shared.
 
-Each new packed shape ``(rows R, key length S)`` a step meets is a learner program (~4 s to compile
-on 2 CPU cores), and which shapes a run meets depends on its rollouts. ``neighbour_shapes`` gives
-the buckets one step away (``R`` one row bucket either side at the same ``S``, ``S`` one length
-bucket either side at the same ``R``); with a ``BackgroundCompiler`` the trainer compiles them in
-the background, so a later step, or the next run on the machine, loads them from the cache.
+Each new packed shape (rows ``R``, attention blocks ``N``, key length ``S``) a step meets is a
+learner program (~4 s to compile on 2 CPU cores), and which shapes a run meets depends on its
+rollouts. ``neighbour_shapes`` gives the buckets one step away (one length, block-count or row
+bucket either side, one axis at a time); with a ``BackgroundCompiler`` the trainer compiles them
+in the background, so a later step, or the next run on the machine, loads them from the cache.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from rollout.export import export_groups_packed
 
 from jaxprm.learner.loss import behaviour_weights
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
-from jaxprm.learner.packing import PackedBatch
+from jaxprm.learner.packing import DEFAULT_BLOCK_BUCKETS, PackedBatch
 from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "neighbour_shapes",
@@ -69,46 +70,50 @@ def packed_row_buckets(multiple: int, largest: int = 1 << 12) -> tuple[int, ...]
     return tuple(out)
 
 
-def neighbour_shapes(rows: int, key_len: int, row_buckets, len_buckets) -> list[tuple[int, int]]:
-    """The packed shapes one bucket away from ``(rows, key_len)``: ``(rows, S')`` for the length
-    buckets either side of ``key_len``, then ``(R', key_len)`` for the row buckets either side of
-    ``rows`` (buckets as sorted sequences; a value not in its buckets has no neighbours on that
-    axis)."""
-
-    def around(x, buckets):
-        b = sorted(buckets)
+def neighbour_shapes(shape: dict[str, int], buckets: dict[str, Sequence[int]]) -> list[dict[str, int]]:
+    """The shapes one bucket away from ``shape`` along one axis at a time: for each axis of
+    ``buckets`` in order, ``shape`` with that axis moved to the bucket below, then the one above
+    (an axis whose value is not one of its buckets has no neighbours)."""
+    out = []
+    for axis, b in buckets.items():
+        b = sorted(b)
+        x = shape[axis]
         if x not in b:
-            return []
+            continue
         i = b.index(x)
-        return [b[j] for j in (i - 1, i + 1) if 0 <= j < len(b)]
+        out += [{**shape, axis: b[j]} for j in (i - 1, i + 1) if 0 <= j < len(b)]
+    return out
 
-    return [(rows, s) for s in around(key_len, len_buckets)] + [(r, key_len) for r in around(rows, row_buckets)]
 
-
-def _respec(inputs: dict, rows: int, key_len: int) -> dict:
-    """``jax.ShapeDtypeStruct`` specs of ``packed_step_inputs``' arrays for ``rows`` packed rows and
-    key slots of ``key_len`` (every array's leading axis is the rows; ``key_blocks [R, N, S]``)."""
+def _respec(inputs: dict, rows: int, blocks: int, key_len: int) -> dict:
+    """``jax.ShapeDtypeStruct`` specs of ``packed_step_inputs``' arrays for ``rows`` packed rows,
+    ``blocks`` attention blocks and key slots of ``key_len`` (every array's leading axis is the rows;
+    ``query_blocks [R, N, Q]``, ``key_blocks [R, N, S]``)."""
     out = {}
     for k, v in inputs.items():
         shape = (rows,) + tuple(v.shape[1:])
+        if k in ("query_blocks", "key_blocks"):
+            shape = (rows, blocks) + shape[2:]
         if k == "key_blocks":
             shape = shape[:2] + (key_len,)
         out[k] = jax.ShapeDtypeStruct(shape, v.dtype)
     return out
 
 
-def precompile_neighbours(compiler, step: PackedTrainStep, state, inputs: dict, rng, row_buckets, len_buckets) -> int:
-    """Submit to ``compiler`` (a ``BackgroundCompiler``) the step's programs for the neighbouring
-    shapes of ``inputs`` (see :func:`neighbour_shapes`); the key names the shape, so each is
-    compiled once a run. Returns how many were new."""
+def precompile_neighbours(compiler, step: PackedTrainStep, state, inputs: dict, rng, row_buckets,
+                          len_buckets, block_buckets=DEFAULT_BLOCK_BUCKETS) -> int:
+    """Submit to ``compiler`` (a ``BackgroundCompiler``) the step's programs for the shapes next to
+    that of ``inputs`` (``neighbour_shapes`` over key length ``S`` in ``len_buckets``, block count
+    ``N`` in ``block_buckets`` and rows ``R`` in ``row_buckets``); the key names the shape, so each
+    is compiled once a run. Returns how many were new."""
     R, N, S = inputs["key_blocks"].shape
     L = inputs["tokens"].shape[1]
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     state_spec, rng_spec = jax.tree.map(spec, state), spec(rng)
     n = 0
-    for r, s in neighbour_shapes(R, S, row_buckets, len_buckets):
-        specs = _respec(inputs, r, s)
-        n += compiler.submit(("packed_step", r, L, N, s),
+    for sh in neighbour_shapes({"R": R, "N": N, "S": S}, {"S": len_buckets, "N": block_buckets, "R": row_buckets}):
+        specs = _respec(inputs, sh["R"], sh["N"], sh["S"])
+        n += compiler.submit(("packed_step", sh["R"], L, sh["N"], sh["S"]),
                              lambda specs=specs: step.lower(state_spec, specs, rng_spec))
     return n
 

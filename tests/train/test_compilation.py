@@ -101,7 +101,7 @@ def inputs(groups, T):
     return packed_step_inputs(packed, flat, adv, agg="token-mean")
 
 first, second = inputs(2, 64), inputs(3, 64)  # 2 / 3 trees, one a row: R = 2 / 4, S = T = 64
-assert first["key_blocks"].shape[::2] == (2, 64) and second["key_blocks"].shape[::2] == (4, 64)
+assert first["key_blocks"].shape == (2, 4, 64) and second["key_blocks"].shape == (4, 4, 64)
 if sys.argv[2] == "precompile":
     state, _ = step(state, first, jax.random.key(0))
     bc = BackgroundCompiler()
@@ -119,16 +119,17 @@ print(d.count, d.cache_hits, step.compiles)
 def test_neighbouring_learner_shapes_compiled_in_the_background_are_loaded_later(tmp_path):
     from jaxprm.train.packed import neighbour_shapes
 
-    assert neighbour_shapes(8, 640, (4, 8, 16), (512, 640, 768)) == [(8, 512), (8, 768), (4, 640), (16, 640)]
-    assert neighbour_shapes(4, 512, (4, 8), (512, 640)) == [(4, 640), (8, 512)]
-    assert neighbour_shapes(5, 512, (4, 8), (512,)) == []
+    got = neighbour_shapes({"R": 8, "S": 640}, {"S": (512, 640, 768), "R": (4, 8, 16)})
+    assert got == [{"R": 8, "S": 512}, {"R": 8, "S": 768}, {"R": 4, "S": 640}, {"R": 16, "S": 640}]
+    assert neighbour_shapes({"R": 4, "S": 512}, {"S": (512, 640), "R": (4, 8)}) == [{"R": 4, "S": 640}, {"R": 8, "S": 512}]
+    assert neighbour_shapes({"R": 5, "S": 512}, {"R": (4, 8), "S": (512,)}) == []
     runs = [subprocess.run([sys.executable, "-c", _PRECOMPILE, str(tmp_path / "xla"), mode], capture_output=True,
                            text=True, cwd=ROOT, timeout=600) for mode in ("precompile", "load")]
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     n, compiled, count, hits, compiles = (int(x) for x in runs[0].stdout.split())
-    # (2, 32), (2, 96) and (4, 64); there is no row bucket below 2
-    assert n == compiled == 3
+    # (S, N, R): S 32 and 96, N 8 (4 is the smallest block bucket), R 4 (2 is the smallest row bucket)
+    assert n == compiled == 4
     # in the same process the step with R = 4 reuses the background's trace and program
     assert count == 0 and compiles == 1, (count, compiles)
     # a later process loads it from the persistent cache: the keys match the real call's
