@@ -307,7 +307,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows", "microbatch_rows")
     _positive(p, "ppo", "entropy_coef", allow_zero=True)
     _check(p.c_clip is None or p.c_clip > 1, "ppo.c_clip", f"dual clip must be > 1 (or null), got {p.c_clip}")
-    _positive(p, "ppo", "behave_cap")
+    _positive(p, "ppo", "behave_cap", "target_kl")
     _check(not (p.decoupled and p.behave_mode == "mask_sequence" and cfg.rollout.export == "tree_packed"),
            "ppo.behave_mode", "mask_sequence needs rollout.export: concat (a packed token is shared by several "
            "sequences); use truncate or mask with tree_packed")

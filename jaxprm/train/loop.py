@@ -145,6 +145,7 @@ class _Job:
             mesh=self.mesh if n_dev > 1 else None, microbatch_rows=cfg.ppo.microbatch_rows,
             entropy_coef=cfg.ppo.entropy_coef,
             behaviour={"cap": cfg.ppo.behave_cap, "mode": cfg.ppo.behave_mode} if cfg.ppo.decoupled else None,
+            target_kl=cfg.ppo.target_kl,
         )
         self.adv_cfg = adapters.advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,

@@ -273,6 +273,9 @@ class PPOConfig:
     # behaviour importance weight exp(proximal - sampled) capped at behave_cap (behave_mode:
     # truncate | mask | mask_sequence; mask_sequence needs rollout.export: flat). One more forward
     # a step; it corrects sampler/learner mismatch, and stale samples once rollouts run ahead.
+    # PPO's early stop: within a step, a minibatch whose approx KL (k3, before its update) exceeds
+    # 1.5 * target_kl is skipped with every later one (null: off)
+    target_kl: float | None = None
     decoupled: bool = False
     behave_cap: float | None = 2.0
     behave_mode: Literal[BEHAVIOUR_WEIGHT_MODES] = "truncate"

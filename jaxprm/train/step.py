@@ -168,6 +168,9 @@ class TrainStep:
         weighted by ``exp(proximal - old)`` capped; ``loss_fn`` is ``jaxprm.decoupled_policy_loss``
         in place of the given one. Metrics gain ``behave_gap`` (mean ``|proximal - old|``) and
         ``behave_capped_fraction``.
+      target_kl: PPO's early stop: a minibatch whose approx KL (k3, token mean, measured at the
+        params before its update) is above ``1.5 * target_kl`` is not applied, nor is any later
+        minibatch of the step (``kl_stopped`` counts them; ``updates`` counts those applied).
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class TrainStep:
         microbatch_rows: int | None = None,
         entropy_coef: float = 0.0,
         behaviour: dict | None = None,
+        target_kl: float | None = None,
     ) -> None:
         if not entropy_coef >= 0:
             raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
@@ -197,6 +201,9 @@ class TrainStep:
         self.logprob_fn = logprob_fn
         self.microbatch_rows = microbatch_rows
         self.entropy_coef = float(entropy_coef)
+        if target_kl is not None and not target_kl > 0:
+            raise ValueError(f"target_kl must be > 0 (or None), got {target_kl}")
+        self.target_kl = None if target_kl is None else float(target_kl)
         self.behaviour = None if behaviour is None else {"cap": behaviour.get("cap"), "mode": behaviour.get("mode", "truncate")}
         if self.behaviour is not None:
             if self.behaviour["mode"] not in BEHAVIOUR_WEIGHT_MODES:
@@ -299,7 +306,7 @@ class TrainStep:
         grad_fn = jax.grad(micro_objective, has_aux=True)
 
         def mb_update(carry, xs):
-            params, opt_state = carry
+            params, opt_state, go = carry
             order, k = xs
             mb = self._minibatch(data, order, n_real, k, mb_rows, n_mb)
             tokens, seqs = self._counts(mb)
@@ -320,18 +327,21 @@ class TrainStep:
             updates, new_opt = self.optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             active = tokens > 0
-            keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
+            nv = jnp.maximum(sums["n_valid_tokens"], 1.0)
+            if self.target_kl is not None:  # early stop: this minibatch and every later one of the step
+                go = go & (sums["approx_kl_sum"] / nv <= 1.5 * self.target_kl)
+            applied = active & go
+            keep = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
             params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, new_opt, opt_state)
-            nv = jnp.maximum(sums["n_valid_tokens"], 1.0)
             out = {"loss": sums["loss_sum"] / jnp.maximum(sums["loss_count"], 1.0), "grad_norm": gnorm,
                    "clip_fraction": sums["clip_sum"] / nv, "dual_clip_fraction": sums["dual_clip_sum"] / nv,
                    "approx_kl": sums["approx_kl_sum"] / nv, "ratio_mean": sums["ratio_sum"] / nv,
                    "entropy": sums["entropy_sum"] / nv,
-                   "active": active.astype(jnp.float32), "tokens": tokens}
+                   "active": active.astype(jnp.float32), "applied": applied.astype(jnp.float32), "tokens": tokens}
             if self.behaviour is not None:
                 out.update(behave_gap=sums["behave_gap_sum"] / nv, behave_capped_fraction=sums["behave_capped_sum"] / nv)
-            return (params, opt_state), out
+            return (params, opt_state, go), out
 
         def epoch(carry, key):
             u = jax.random.uniform(key, (B,))
@@ -340,11 +350,14 @@ class TrainStep:
             return jax.lax.scan(mb_update, carry, (orders, jnp.arange(n_mb)))
 
         keys = jax.random.split(rng, self.epochs)
-        (params, opt_state), outs = jax.lax.scan(epoch, (state.params, state.opt_state), keys)
+        go0 = jnp.ones((), bool)
+        (params, opt_state, _), outs = jax.lax.scan(epoch, (state.params, state.opt_state, go0), keys)
         w = outs["active"]
         denom = jnp.maximum(w.sum(), 1.0)
-        metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "tokens")}
-        metrics["updates"] = w.sum()
+        metrics = {k2: (v * w).sum() / denom for k2, v in outs.items() if k2 not in ("active", "applied", "tokens")}
+        metrics["updates"] = outs["applied"].sum()
+        if self.target_kl is not None:  # minibatches with tokens whose update the KL stop skipped
+            metrics["kl_stopped"] = w.sum() - outs["applied"].sum()
         # The first minibatch is scored before any update: its KL measures how far the sampler's
         # logprobs are from the learner's own (numerics, stale weights); it should be ~0.
         metrics["behavior_kl"] = outs["approx_kl"][0, 0]

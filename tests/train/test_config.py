@@ -102,6 +102,7 @@ def test_file_then_overrides(tmp_path):
         (["server.batch_buckets=[]"], "server.batch_buckets"),
         (["ppo.packed_len_buckets=[0]"], "ppo.packed_len_buckets"),
         (["ppo.behave_cap=0"], "ppo.behave_cap"),
+        (["ppo.target_kl=-0.1"], "ppo.target_kl"),
         (["ppo.behave_mode=clip"], "ppo.behave_mode: got 'clip'"),
         (["ppo.decoupled=true", "ppo.behave_mode=mask_sequence"], "mask_sequence needs rollout.export: concat"),
     ],

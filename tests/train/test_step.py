@@ -214,3 +214,24 @@ def test_behavior_kl_measures_the_sampler_mismatch_before_any_update():
     assert abs(float(m["behavior_kl"])) < 1e-5 < float(m["approx_kl"])  # later updates moved the policy
     _, m = ts(ts.init_state(policy.params), {**d, "old_logprobs": own - 0.3 * d["loss_mask"]}, jax.random.key(0))
     assert float(m["behavior_kl"]) > 1e-3
+
+
+def test_target_kl_stops_the_step_once_the_policy_has_moved_too_far():
+    policy = Policy(toy_transformer())
+    d = _data(16, 32, n_real=16, seed=2)
+    pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), d["tokens"].shape)
+    # behaviour = the policy itself: the first minibatch is on-policy (KL ~0) and always applied
+    d["old_logprobs"] = next_token_logprobs(policy.apply_fn(policy.params, d["tokens"], pos), d["tokens"]) * d["loss_mask"]
+    outs = {}
+    for target in (None, 1e9, 1e-4):
+        ts = TrainStep(policy.apply_fn, optax.sgd(20.0), jaxprm.policy_loss, epochs=2, num_minibatches=2,
+                       loss_kwargs={"eps_clip": 0.2}, target_kl=target)
+        outs[target] = ts(ts.init_state(policy.params), d, jax.random.key(0))
+    (s_none, m_none), (s_big, m_big), (s_small, m_small) = outs[None], outs[1e9], outs[1e-4]
+    for a, b in zip(jax.tree.leaves(s_none.params), jax.tree.leaves(s_big.params)):  # never triggered: the same step
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m_none["updates"]) == float(m_big["updates"]) == 4 and float(m_big["kl_stopped"]) == 0
+    assert float(m_small["updates"]) == 1 and float(m_small["kl_stopped"]) == 3  # stopped after the first update
+    assert float(m_small["approx_kl"]) > 1.5e-4  # the metrics still see the skipped minibatches
+    with pytest.raises(ValueError, match="target_kl"):
+        TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, target_kl=0.0)
