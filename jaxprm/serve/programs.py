@@ -21,7 +21,9 @@ Static shapes: ``B`` is a batch bucket, ``nb = W / block_size`` with ``W`` a win
 longest position in the call, rounded up), ``R`` and ``C`` prefill row / chunk buckets. One program
 exists per ``(B, W, k, top-n on/off, filtering on/off)`` and per ``(R, C, W)`` (and per model
 structure and pool shape: the programs are shared by every engine of the process);
-``num_compilations()`` counts the traces (one per compilation).
+``num_compilations()`` counts the traces (one per compilation). The executables come from
+``jaxprm.serve.executables``: with JAX's persistent cache on, a program compiled by an earlier
+process is loaded from disk without being traced or lowered (and is not counted).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprm.models.paged import PagedKVCache, paged_hidden_states, unstack_layers
+from jaxprm.serve.executables import abstract_signature, load_or_compile
 from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, sample_next
 
 __all__ = ["ModelRunner", "DECODE_INPUTS", "prefill_arrays", "decode_arrays", "decode_input_shapes",
@@ -121,6 +124,11 @@ class ModelRunner:
         self.unroll_layers = jax.default_backend() == "cpu" if unroll_layers is None else bool(unroll_layers)
         self._layers_of = None  # the params whose per-layer copies ``_layers`` holds
         self._layers = None
+        self._signature_of = None  # the params whose abstract signature ``_params_signature`` is
+        self._params_signature = ""
+        self._programs: dict[tuple, jax.stages.Compiled] = {}
+        # what the programs depend on besides shapes: the model's structure and config, the layout
+        self._structure = (str(graphdef), repr(config), self.block_size, self.unroll_layers)
 
     def layer_weights(self, params):
         """The per-layer weight copies of ``params`` for unrolled decoding (made once per params
@@ -129,7 +137,9 @@ class ModelRunner:
             return None
         if params is not self._layers_of:
             self._layers, self._layers_of = None, None  # drop the old copies before making new ones
-            self._layers = _unstack(self.graphdef, params, self.rest)
+            program = self._program("_unstack", (), params,
+                                    lambda: _unstack.lower(self.graphdef, params, self.rest))
+            self._layers = program(params, self.rest)
             self._layers_of = params
         return self._layers
 
@@ -144,29 +154,59 @@ class ModelRunner:
 
     def prefill(self, params, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> None:
         """Write the KV of ``tokens [R, C]`` at ``positions`` (-1: padding) through ``tables [R, nb]``."""
-        self.pool = _prefill(self.graphdef, params, self.rest, self.pool, tokens, positions, tables)
+        program = self._prefill_program(params, *tokens.shape, tables.shape[1])
+        self.pool = program(params, self.rest, self.pool, tokens, positions, tables)
 
     def decode(self, params, inputs: dict[str, np.ndarray], *, steps: int, top_n: int, filtering: bool
                ) -> dict[str, np.ndarray]:
         """Run ``steps`` decode steps; returns host arrays ``[steps, B]`` (``token``, ``logprob``,
         ``sampling_logprob``, ``valid``; with ``top_n``: ``top_ids / top_raw / top_proc [steps, B, n]``)."""
-        self.pool, outs = _decode(self.graphdef, params, self.rest, self.layer_weights(params), self.pool, inputs,
-                                  steps=steps, top_n=top_n, filtering=filtering)
+        B, nb = inputs["tables"].shape
+        program = self._decode_program(params, B, nb, steps=steps, top_n=top_n, filtering=filtering)
+        self.pool, outs = program(params, self.rest, self.layer_weights(params), self.pool, inputs)
         return jax.device_get(outs)
+
+    # compiled programs -------------------------------------------------------------------------
+    # Each program comes from ``jaxprm.serve.executables`` (memory, the disk store, or a compile),
+    # looked up first in this runner's own table by its shape key and the params' signature.
+    def _signature(self, params) -> str:
+        if params is not self._signature_of:  # the per-layer copies follow from the params
+            self._params_signature = abstract_signature(params)
+            self._signature_of = params
+        return self._params_signature
+
+    def _program(self, kind: str, shape_key: tuple, params, lower) -> jax.stages.Compiled:
+        hot = (kind, shape_key, self._signature(params))
+        program = self._programs.get(hot)
+        if program is None:
+            fixed = (self._structure, hot[2], abstract_signature((self.rest, self.pool)))
+            program = load_or_compile(kind, (shape_key, fixed), lower)
+            self._programs[hot] = program
+        return program
+
+    def _prefill_program(self, params, rows: int, chunk: int, nb: int) -> jax.stages.Compiled:
+        S = jax.ShapeDtypeStruct
+        return self._program(
+            "_prefill_impl", (rows, chunk, nb), params,
+            lambda: _prefill.lower(self.graphdef, params, self.rest, self.pool, S((rows, chunk), jnp.int32),
+                                   S((rows, chunk), jnp.int32), S((rows, nb), jnp.int32)))
+
+    def _decode_program(self, params, batch: int, nb: int, *, steps: int, top_n: int, filtering: bool
+                        ) -> jax.stages.Compiled:
+        return self._program(
+            "_decode_impl", (batch, nb, int(steps), int(top_n), bool(filtering)), params,
+            lambda: _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self.pool,
+                                  decode_input_shapes(batch, nb), steps=steps, top_n=top_n, filtering=filtering))
 
     # ahead-of-time compilation -----------------------------------------------------------------
     def compile_prefill(self, params, rows: int, chunk: int, window: int) -> None:
-        """Compile the prefill program for ``[rows, chunk]`` tokens over ``window`` positions."""
-        S = jax.ShapeDtypeStruct
-        nb = window // self.block_size
-        _prefill.lower(self.graphdef, params, self.rest, self.pool, S((rows, chunk), jnp.int32),
-                       S((rows, chunk), jnp.int32), S((rows, nb), jnp.int32)).compile()
+        """Compile (or load) the prefill program for ``[rows, chunk]`` tokens over ``window`` positions."""
+        self._prefill_program(params, rows, chunk, window // self.block_size)
 
     def compile_decode(self, params, batch: int, window: int, *, steps: int, top_n: int, filtering: bool) -> None:
-        """Compile the decode program for ``batch`` rows over ``window`` positions."""
-        _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self.pool,
-                      decode_input_shapes(batch, window // self.block_size), steps=steps, top_n=top_n,
-                      filtering=filtering).compile()
+        """Compile (or load) the decode program for ``batch`` rows over ``window`` positions."""
+        self._decode_program(params, batch, window // self.block_size, steps=steps, top_n=top_n,
+                             filtering=filtering)
 
 
 def decode_input_shapes(batch: int, nb: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -2,7 +2,8 @@
 
 :data:`METER` adds up what ``jax.monitoring`` reports for each compiled program, in any thread (the
 sampler compiles in the embedded server's engine thread): tracing, lowering and the backend compile
-(a persistent-cache hit still reports a short backend "compile", its retrieval). ``snapshot()``
+(a persistent-cache hit still reports a short backend "compile", its retrieval), and the loads and
+saves of the engine's executable store (``jaxprm.serve.executables``). ``snapshot()``
 gives running totals; the trainer takes differences around each phase, so the time a phase spent
 compiling can be reported apart from its real work. ``by_function()`` splits the totals by the
 traced function's name (``jit(_step)``, ``jit(update)``, ...), so a run can say which programs
@@ -31,13 +32,18 @@ from pathlib import Path
 
 import jax
 
+from jaxprm.serve import executables
+
 __all__ = ["BackgroundCompiler", "CompileTotals", "METER", "PhaseTimes", "Span", "enable_persistent_cache",
            "in_background"]
 
-_DURATIONS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-              "/jax/core/compile/backend_compile_duration")
 _BACKEND = "/jax/core/compile/backend_compile_duration"
-_HIT = "/jax/compilation_cache/cache_hits"
+# a program counts once: at its backend compile (a persistent-cache hit included) or at its load
+# from the engine's executable store (no tracing, no lowering); saving it to the store is time only
+_PROGRAM_EVENTS = (_BACKEND, executables.LOAD_EVENT)
+_DURATIONS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              *_PROGRAM_EVENTS, executables.SAVE_EVENT)
+_HITS = ("/jax/compilation_cache/cache_hits", executables.HIT_EVENT)
 _THREAD = threading.local()  # .background: this thread is a BackgroundCompiler's
 
 
@@ -79,7 +85,7 @@ class _Meter:
 
     def _on_duration(self, name: str, seconds: float, fun_name: str = "?", **_) -> None:
         if name in _DURATIONS:
-            n = int(name == _BACKEND)
+            n = int(name in _PROGRAM_EVENTS)
             if in_background():
                 with self._lock:
                     b = self._background
@@ -93,7 +99,7 @@ class _Meter:
                 self._by_fun[fun] = CompileTotals(f.count + n, f.cache_hits, f.seconds + seconds)
 
     def _on_event(self, name: str, **_) -> None:
-        if name == _HIT:
+        if name in _HITS:
             with self._lock:
                 if in_background():
                     b = self._background
