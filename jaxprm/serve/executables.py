@@ -78,6 +78,7 @@ def _environment() -> str:
 
 
 KEEP_ENVIRONMENTS = 4  # the store keeps the programs of this many environments (most recent)
+_pruned: set[Path] = set()  # the environment folders this process has pruned around
 
 
 def _environment_dir() -> Path | None:
@@ -99,8 +100,6 @@ def _environment_dir() -> Path | None:
                 shutil.rmtree(old, ignore_errors=True)
     return here
 
-
-_pruned: set[Path] = set()
 
 
 def abstract_signature(tree: Any) -> str:
@@ -174,9 +173,7 @@ def _load(path: Path, name: str) -> jax.stages.Compiled | None:
     try:
         blob, in_tree, out_tree = pickle.loads(path.read_bytes())
         compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
-    except FileNotFoundError:
-        return None
-    except Exception:  # noqa: BLE001 - unreadable or from another runtime: compile again, overwrite
+    except Exception:  # noqa: BLE001 - absent, unreadable or from another runtime: compile (and overwrite)
         return None
     jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t0, fun_name=name)
     jax.monitoring.record_event(HIT_EVENT, fun_name=name)
