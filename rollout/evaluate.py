@@ -18,7 +18,7 @@ from rollout.envs.base import Env
 from rollout.stats import summarize_groups
 from rollout.tree import GroupResult, TreeConfig, run_groups
 
-__all__ = ["EvalSettings", "EvalResult", "evaluate"]
+__all__ = ["EvalSettings", "EvalResult", "eval_metrics", "evaluate"]
 
 #: Group seeds of the evaluation episodes (``+ 1000 * seed``), apart from any training group's.
 SAMPLED_SEED_BASE = 10_000_000
@@ -42,15 +42,40 @@ class EvalSettings:
 @dataclasses.dataclass
 class EvalResult:
     """``metrics``: ``success``, ``pass_at_<samples>``, ``turns``, ``response_tokens``, ``hole_rate``,
-    ``invalid_rate`` (and ``greedy_success``, ``greedy_turns``); ``groups``: the sampled groups."""
+    ``invalid_rate`` (and ``greedy_success``, ``greedy_turns``); ``groups``: the sampled groups;
+    ``greedy_groups``: the greedy pass's (empty without it)."""
 
     metrics: dict[str, float]
     groups: list[GroupResult]
+    greedy_groups: list[GroupResult] = dataclasses.field(default_factory=list)
+
+
+def eval_metrics(groups: Sequence[GroupResult], greedy_groups: Sequence[GroupResult],
+                 settings: EvalSettings = EvalSettings()) -> dict[str, float]:
+    """The evaluation's metrics of its sampled ``groups`` and its ``greedy_groups`` (see
+    :class:`EvalResult`); the groups of several shares of the tasks, concatenated, give the metrics
+    of all of them (a distributed trainer evaluates a share per process)."""
+    summary = summarize_groups(list(groups))
+    metrics = {
+        "success": summary["success"],
+        f"pass_at_{settings.samples}": summary["pass_at_k"],
+        "turns": summary["turns"],
+        "response_tokens": summary["response_tokens"],
+        "hole_rate": summary["hole_rate"],
+        "invalid_rate": summary["invalid_rate"],
+    }
+    if settings.greedy:
+        gs = summarize_groups(list(greedy_groups))
+        metrics["greedy_success"] = gs["success"]
+        metrics["greedy_turns"] = gs["turns"]
+    return metrics
 
 
 async def evaluate(tasks: Sequence[Any], *, client: GenerationClient, prompts: PromptBuilder | ChatTokenizer,
-                   env_factory: Callable[[], Env], settings: EvalSettings = EvalSettings()) -> EvalResult:
-    """Run the evaluation protocol (see the module docstring) on ``tasks``."""
+                   env_factory: Callable[[], Env], settings: EvalSettings = EvalSettings(),
+                   group_offset: int = 0) -> EvalResult:
+    """Run the evaluation protocol (see the module docstring) on ``tasks``; task ``i`` is group
+    ``group_offset + i`` of the protocol's seeds (a share of a longer task list keeps its seeds)."""
     if not tasks:
         raise ValueError("tasks is empty")
     if not isinstance(prompts, PromptBuilder):
@@ -63,20 +88,10 @@ async def evaluate(tasks: Sequence[Any], *, client: GenerationClient, prompts: P
                           max_context_tokens=s.max_context_tokens, seed=s.seed)
 
     groups = await run_groups(list(tasks), env_factory=env_factory, client=client, prompts=prompts,
-                              config=tree(s.samples, s.temperature), group_seed=SAMPLED_SEED_BASE + s.seed * 1000)
-    summary = summarize_groups(groups)
-    metrics = {
-        "success": summary["success"],
-        f"pass_at_{s.samples}": summary["pass_at_k"],
-        "turns": summary["turns"],
-        "response_tokens": summary["response_tokens"],
-        "hole_rate": summary["hole_rate"],
-        "invalid_rate": summary["invalid_rate"],
-    }
+                              config=tree(s.samples, s.temperature),
+                              group_seed=SAMPLED_SEED_BASE + s.seed * 1000 + group_offset)
+    greedy = []
     if s.greedy:
         greedy = await run_groups(list(tasks), env_factory=env_factory, client=client, prompts=prompts,
-                                  config=tree(1, 0.0), group_seed=GREEDY_SEED_BASE + s.seed * 1000)
-        gs = summarize_groups(greedy)
-        metrics["greedy_success"] = gs["success"]
-        metrics["greedy_turns"] = gs["turns"]
-    return EvalResult(metrics=metrics, groups=groups)
+                                  config=tree(1, 0.0), group_seed=GREEDY_SEED_BASE + s.seed * 1000 + group_offset)
+    return EvalResult(metrics=eval_metrics(groups, greedy, s), groups=groups, greedy_groups=greedy)

@@ -33,6 +33,20 @@ class ScoredGroups:
     rejected: collections.Counter
     reasons: list[tuple[str, str]]
 
+    @classmethod
+    def concat(cls, parts: Sequence[ScoredGroups]) -> ScoredGroups:
+        """The scoring of several shares of the groups as one (in order; metrics merged): what
+        ``score_groups`` gives for their concatenation."""
+        out = cls(groups=[], rewards=[], metrics=MetricsAccumulator(parts[0].metrics.namespace),
+                  rejected=collections.Counter(), reasons=[])
+        for p in parts:
+            out.groups += p.groups
+            out.rewards += p.rewards
+            out.metrics.merge(p.metrics)
+            out.rejected.update(p.rejected)
+            out.reasons += p.reasons
+        return out
+
 
 async def score_groups(runner: PRMRunner, groups: Sequence[GroupResult], *, is_eval: bool = False) -> ScoredGroups:
     """Score the training leaves (``group.leaves``, exactly what the export trains on) of every

@@ -73,7 +73,9 @@ def _environment() -> str:
 
     backend = jax.devices()[0].client
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
-    return repr((jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version, devices,
+    # a process of a multi-process job compiles for its own devices: its programs are its own
+    local = (jax.process_index(), jax.process_count(), [d.id for d in jax.local_devices()])
+    return repr((jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version, devices, local,
                  os.environ.get("XLA_FLAGS", ""), _source_hash()))
 
 
@@ -171,8 +173,12 @@ def _compile(lowered: jax.stages.Lowered, *, bypass_jax_cache: bool) -> tuple[ja
 def _load(path: Path, name: str) -> jax.stages.Compiled | None:
     t0 = time.perf_counter()
     try:
-        blob, in_tree, out_tree = pickle.loads(path.read_bytes())
-        compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+        blob, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+        by_id = {d.id: d for d in jax.devices()}
+        # on the devices it was compiled for: by default the loader would spread a one-device
+        # program over every device of the backend (and then refuse its one-device arguments)
+        compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
+                                                             execution_devices=[by_id[i] for i in device_ids])
     except Exception:  # noqa: BLE001 - absent, unreadable or from another runtime: compile (and overwrite)
         return None
     jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t0, fun_name=name)
@@ -183,7 +189,8 @@ def _load(path: Path, name: str) -> jax.stages.Compiled | None:
 def _save(path: Path, compiled: jax.stages.Compiled, name: str) -> None:
     t0 = time.perf_counter()
     try:
-        data = pickle.dumps(serialize_executable.serialize(compiled))
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+        data = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         tmp.write_bytes(data)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxprm.models import save_pretrained
 from jaxprm.serve import ServerHandle
 from jaxprm.serve.sampling import buckets_up_to
+from jaxprm.train import multihost
 from jaxprm.train.adapters import client_config
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
@@ -35,7 +36,11 @@ __all__ = ["Generation"]
 
 
 def _copy(params: Any) -> Any:
-    return jax.tree.map(jnp.copy, params)  # the train step donates its own copy
+    """The weights to serve: a copy (the train step donates its own), or, where the learner's
+    arrays span several processes, this host's whole copy of them (a collective)."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
+        return jax.tree.map(jnp.copy, params)
+    return multihost.host_copy(params)
 
 
 class Generation:
@@ -76,17 +81,23 @@ class Generation:
                 await self.sync(resume_step)
 
     async def sync(self, step: int) -> None:
-        """Serve the policy's current params as weight version ``step``."""
+        """Serve the policy's current params as weight version ``step``.
+
+        In a distributed run every process calls it: each swaps the weights of its own embedded
+        server; external servers are updated once, by process 0, and the others wait for it."""
+        params = _copy(self.policy.params)
         if self.server is not None:
-            self.server.update_weights(_copy(self.policy.params), version=step)
-        else:
+            self.server.update_weights(params, version=step)
+            return
+        if multihost.is_primary():
             s = self.cfg.server
             out = Path(s.weight_sync_dir or (self.run_dir / "weights")).absolute() / f"step-{step}"
-            save_pretrained(self.policy.module(), self.policy.tokenizer, out)
+            save_pretrained(self.policy.module(params), self.policy.tokenizer, out)
             await self.client.update_weights_from_disk(str(out), weight_version=step)
             prev = out.parent / f"step-{step - 1}"
             if prev.exists():
                 shutil.rmtree(prev, ignore_errors=True)
+        multihost.barrier(f"jaxprm-weight-sync-{step}")
 
     def check_behavior(self, step: int, row: dict[str, Any]) -> None:
         """Warn (``server.warn_behavior_kl``) or stop with :class:`TrainError`

@@ -35,16 +35,18 @@ import collections
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 import jaxprm
 from jaxprm.models import save_pretrained
-from jaxprm.train import adapters, plots
+from jaxprm.train import adapters, multihost, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
 from jaxprm.train.compilation import METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache
 from jaxprm.train.config import TrainConfig
@@ -54,11 +56,11 @@ from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
                                 prepare_run_dir, train_error)
-from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, step_inputs
+from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, shard_params, step_inputs
 from jaxprm.train.warmstart import warm_start
-from rollout.evaluate import evaluate
+from rollout.evaluate import EvalResult, eval_metrics, evaluate
 from rollout.export import export_groups, filter_groups
-from rollout.scoring import score_groups
+from rollout.scoring import ScoredGroups, score_groups
 from rollout.stats import describe_groups
 from rollout.client import GenerationError
 from rollout.tree import GroupRejected, RolloutError, run_groups
@@ -128,7 +130,17 @@ class _Job:
     def setup(self) -> None:
         cfg = self.cfg
         init_distributed(cfg)
-        self.run_dir = prepare_run_dir(cfg, self.resume)
+        self.primary, self.multi = multihost.is_primary(), multihost.process_count() > 1
+        if not self.primary:
+            log, index = self.log, multihost.process_index()
+            self.log = lambda msg: log(f"[process {index}] {msg}")
+        if self.multi and cfg.rollout.source == "agent":
+            raise TrainError("distributed: rollout.source=agent runs in one process; use rollout.source=tree "
+                             "(each process rolls out its share of the step's tasks)")
+        # process 0 makes the run directory (or checks it, on resume); the others take its name
+        run_dir = prepare_run_dir(cfg, self.resume) if self.primary or self.resume else None
+        self.run_dir = Path(multihost.broadcast_object(None if run_dir is None else str(run_dir)))
+        cfg.run_dir = str(self.run_dir)
         self.cleanup.push("run directory lock", lock_run_dir(self.run_dir).release)
         self.policy = load_policy(cfg)
         self.train_tasks, self.eval_tasks = adapters.tasks(cfg)
@@ -163,19 +175,25 @@ class _Job:
         if self.resume and restore_step is None:
             self.log(f"resume: no checkpoint in {self.run_dir}; starting from step 0")
         if cfg.warm_start.enabled and restore_step is None:
-            with self.times.phase("warm_start"):
-                params, self.warm_report = warm_start(
-                    cfg.warm_start, self.policy, self.train_tasks, env_factory=self.env_factory,
-                    key_data=adapters.warm_start_key_data(cfg, self.policy.config), log=self.log)
+            with self.times.phase("warm_start"):  # on process 0; the others get its weights
+                params, self.warm_report = self.policy.params, {}
+                if self.primary:
+                    params, self.warm_report = warm_start(
+                        cfg.warm_start, self.policy, self.train_tasks, env_factory=self.env_factory,
+                        key_data=adapters.warm_start_key_data(cfg, self.policy.config), log=self.log)
+                params = multihost.broadcast_arrays(params)
+                self.warm_report = multihost.broadcast_object(self.warm_report)
             self.policy.params = params
         self.ref_params = None
         if cfg.advantage.kl_ctl > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.policy.params)
+            if self.multi:  # global arrays, as the learner's own: its forward runs on the whole mesh
+                self.ref_params = jax.device_put(self.ref_params, shard_params(self.ref_params, self.mesh))
         self.state = self.step_fn.init_state(self.policy.params)
         self.base_key = jax.random.key(cfg.seed)
         self.start_step, data_pos, meta = 0, 0, {}
         if restore_step is not None:
-            target = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
+            target = {"train": self.state, "rng": self._replicated(jax.random.key_data(self.base_key))}
             if self.ref_params is not None:
                 target["ref"] = self.ref_params
             try:  # the newest checkpoint that restores; a changed architecture fails here, named
@@ -183,34 +201,38 @@ class _Job:
             except CheckpointError as e:
                 raise TrainError(f"--resume: {e}") from None
             self.state = restored["train"]
-            self.base_key = jax.random.wrap_key_data(restored["rng"])
+            self.base_key = jax.random.wrap_key_data(multihost.local_array(restored["rng"]))
             self.ref_params = restored.get("ref", self.ref_params)
             self.start_step, data_pos = step, int(meta.get("data_pos", 0))
             self.warm_report = meta.get("warm_start", {})
             self.policy.params = self.state.params
             self.log(f"resumed from step {step} ({self.run_dir})")
-        self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None)
+        self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None,
+                                  write=self.primary)
         self.cleanup.push("metrics log", self.metrics.close)
+        multihost.barrier("jaxprm-metrics-log")  # read below after process 0 truncated it (resume)
         self.stream = TaskStream(self.train_tasks, cfg.seed, data_pos)
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         self.history = [r for r in rows if r.get("kind") == "eval"]
         if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):
             self.metrics.log(0, "warm_start", {k: v for k, v in self.warm_report.items()
                                                 if isinstance(v, (int, float, bool))})
-        if self.resume:
+        if self.resume and self.primary:
             path, changes = record_resume(self.run_dir, cfg)
             what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes) or "no overrides"
             self.log(f"resume config recorded in {path.relative_to(self.run_dir)} ({what})")
 
     # -- pieces of a step -----------------------------------------------------------------------
-    async def score(self, groups) -> tuple[list, list, dict[str, float]]:
+    async def score(self, groups, scored: ScoredGroups | None = None) -> tuple[list, list, dict[str, float]]:
         """Process rewards per group (PRM active) and the group filter; returns the kept groups,
         their process rewards and the row's stats (rejections by reason, the spec's
-        ``rollout/prm_...`` metrics of the scored groups, filter counters)."""
+        ``rollout/prm_...`` metrics of the scored groups, filter counters). ``scored``: the groups'
+        scoring, already done (a distributed step scores each process's share, then gathers them; see
+        ``train_step``)."""
         stats: dict[str, float] = {}
         rewards: list = [None] * len(groups)
         if self.prm is not None:
-            scored = await score_groups(self.prm, groups)
+            scored = scored if scored is not None else await score_groups(self.prm, groups)
             for key, reason in scored.reasons:
                 self.log(f"process rewards rejected group {key}: {reason}")
             stats["prm_rejected_groups"] = sum(scored.rejected.values())
@@ -238,16 +260,15 @@ class _Job:
         return self.learn_batch(batch, len(rows), step)
 
     def learn_batch(self, batch, n_rows: int, step: int) -> dict[str, float]:
+        pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
         if self.ref_params is not None:
-            T = batch.tokens.shape[1]
-            pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), batch.tokens.shape)
-            ref = reference_logprobs(self.policy.apply_fn, self.ref_params, batch.tokens, pos)
-            batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
+            ref = reference_logprobs(self.policy.apply_fn, self.ref_params, self.on_mesh(batch.tokens), self.on_mesh(pos))
+            batch = batch.replace(ref_logprobs=multihost.local_array(ref) * batch.loss_mask)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         data = step_inputs(batch, adv.advantages)
         if self.cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
-            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-            data["proximal_logprobs"] = reference_logprobs(self.policy.apply_fn, self.state.params, batch.tokens, pos)
+            data["proximal_logprobs"] = reference_logprobs(self.policy.apply_fn, self.state.params,
+                                                           self.on_mesh(batch.tokens), self.on_mesh(pos))
         key = jax.random.fold_in(self.base_key, step)
         self.state, m = self.step_fn(self.state, data, key)
         self.policy.params = self.state.params
@@ -260,14 +281,33 @@ class _Job:
             out["process_reward_mean"] = float(jnp.sum(pr) / jnp.maximum(batch.loss_mask.sum(), 1))
         return out
 
+    def on_mesh(self, x: jax.Array) -> jax.Array:
+        """Rows ``x [B, ...]`` as a global array split over the mesh, in a multi-process run (where a
+        forward with the learner's global params must see global inputs); else ``x``."""
+        return jax.device_put(x, self.step_fn.batch_sharding()) if self.multi else x
+
+    def _replicated(self, x: jax.Array) -> jax.Array:
+        """``x`` (the same on every process) as a global array replicated over the mesh, in a
+        multi-process run (what orbax saves once for all processes); else ``x``."""
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec())) if self.multi else x
+
     async def run_eval(self, step: int) -> dict[str, float]:
         with self.times.phase("eval") as span:
-            result = await evaluate(self.eval_tasks, client=self.gen.client, prompts=self.gen.prompts,
-                                    env_factory=self.env_factory,
-                                    settings=adapters.eval_settings(self.cfg, max_context=self.gen.max_context))
-            res = result.metrics
+            settings = adapters.eval_settings(self.cfg, max_context=self.gen.max_context)
+            offset, tasks = multihost.process_share(self.eval_tasks)  # all of them in one process
+            result = EvalResult(metrics={}, groups=[])
+            if tasks:
+                result = await evaluate(tasks, client=self.gen.client, prompts=self.gen.prompts,
+                                        env_factory=self.env_factory, settings=settings, group_offset=offset)
+            scored = None
             if self.prm is not None:  # scored for the metrics only (eval-rollout namespace), never learned from
                 scored = await score_groups(self.prm, result.groups, is_eval=True)
+            res = result.metrics
+            if self.multi:  # the metrics of every process's groups, as one process would compute them
+                parts = multihost.allgather_objects((result.groups, result.greedy_groups, scored))
+                res = eval_metrics([g for p in parts for g in p[0]], [g for p in parts for g in p[1]], settings)
+                scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
+            if scored is not None:
                 res["prm_rejected_groups"] = float(sum(scored.rejected.values()))
                 res.update(scored.metrics.summary())
         res["eval_s"] = span.wall - span.compile
@@ -279,7 +319,7 @@ class _Job:
     def checkpoint(self, step: int) -> None:
         with self.times.phase("checkpoint"):
             self.metrics.sync()  # rows of this step are durable before its checkpoint starts
-            tree = {"train": self.state, "rng": jax.random.key_data(self.base_key)}
+            tree = {"train": self.state, "rng": self._replicated(jax.random.key_data(self.base_key))}
             if self.ref_params is not None:
                 tree["ref"] = self.ref_params
             self.ckpt.save(step, tree, {"step": step, "data_pos": self.stream.pos, "warm_start": self.warm_report})
@@ -302,19 +342,28 @@ class _Job:
         """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        tasks = self.stream.take(cfg.rollout.tasks_per_step)
+        # every process takes the same tasks and rolls out its share (all of them in one process);
+        # group i of the step keeps its seed whichever process runs it
+        offset, tasks = multihost.process_share(self.stream.take(cfg.rollout.tasks_per_step))
         branch_rejected: list[GroupRejected] = []
         with self.times.phase("rollout") as rollout:
             groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
                                       prompts=self.gen.prompts,
                                       config=adapters.tree_config(cfg, max_context=self.gen.max_context),
-                                      scorer=scorer, group_seed=step * 10_000, rejected=branch_rejected)
+                                      scorer=scorer, group_seed=step * 10_000 + offset, rejected=branch_rejected)
+        with self.times.phase("score") as scoring:
+            scored = await score_groups(self.prm, groups) if self.prm is not None else None
+            if self.multi:  # every process gets every process's groups (and scoring), in task order
+                parts = multihost.allgather_objects((groups, branch_rejected, scored))
+                groups = [g for p in parts for g in p[0]]
+                branch_rejected = [r for p in parts for r in p[1]]
+                scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
+                process_groups = [len(p[0]) for p in parts]
+            kept, rewards, fstats = await self.score(groups, scored)
         for r in branch_rejected:
             self.log(f"branch scorer rejected group {r.group_key}: {r}")
         desc = describe_groups(groups)
         self._keep_example_tree(groups)
-        with self.times.phase("score") as scoring:
-            kept, rewards, fstats = await self.score(groups)
         row: dict[str, Any] = {
             "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
             "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
@@ -324,6 +373,8 @@ class _Job:
             "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
             "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
         }
+        if self.multi:  # how the step's groups were split over the processes
+            row["process_groups"] = process_groups
         if branch_rejected:
             row["branch_rejected_groups"] = len(branch_rejected)
             row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
@@ -406,8 +457,8 @@ class _Job:
             res = await self.run_eval(0)
             first_eval = last_eval = {"step": 0, **res}
             self.log("eval @0 (warm-started policy): " + _fmt(res))
-        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not cfg.progress, dynamic_ncols=True,
-                   desc="train")
+        bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (cfg.progress and self.primary),
+                   dynamic_ncols=True, desc="train")
         step = self.start_step
         while step < cfg.steps:
             step += 1
@@ -416,7 +467,7 @@ class _Job:
                 res = await self.run_eval(step)
                 last_eval = {"step": step, **res}
                 first_eval = first_eval or last_eval
-                (tqdm.write if cfg.progress else self.log)(f"eval @{step}: " + _fmt(res))
+                (tqdm.write if cfg.progress and self.primary else self.log)(f"eval @{step}: " + _fmt(res))
             if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
                 self.checkpoint(step)
             bar.set_postfix(succ=f"{row['success']:.2f}", loss=f"{row.get('loss', 0.0):.3f}",
@@ -425,14 +476,16 @@ class _Job:
             bar.update(1)
         bar.close()
         self.ckpt.wait()
-        if cfg.plots:
+        if self.multi:  # this host's copy of the final weights (for the export below)
+            self.policy.params = multihost.host_copy(self.state.params)
+        if cfg.plots and self.primary:
             try:
                 plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
                 if self.example_tree is not None:
                     plots.tree_png(self.example_tree, self.run_dir / "plots" / "patr_tree.png")
             except Exception as e:  # plots never fail a finished run
                 self.log(f"plots failed: {type(e).__name__}: {e}")
-        if cfg.export_final:
+        if cfg.export_final and self.primary:
             save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
         if first_eval is not None and "step" in first_eval:
             first_eval = {k: v for k, v in first_eval.items() if k != "kind"}
@@ -443,7 +496,8 @@ class _Job:
                           wall_s=time.perf_counter() - self.t_start, timings=dict(self.times.seconds),
                           compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
                           compile_top=self._compile_top(), background_compile=self._background())
-        (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
+        if self.primary:
+            (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
         return summary
 
 

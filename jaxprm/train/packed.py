@@ -38,6 +38,7 @@ from rollout.export import export_groups_packed
 from jaxprm.learner.loss import behaviour_weights
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import DEFAULT_BLOCK_BUCKETS, PackedBatch
+from jaxprm.train import multihost
 from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "neighbour_shapes",
@@ -208,20 +209,22 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
         packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.packed_len_buckets))
     flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
     use_packed = flat_tokens >= MIN_SHARING * packed_tokens
+    place = job.on_mesh  # in a multi-process run, forwards with the global params see global rows
+    pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
     if job.ref_params is not None:
         if use_packed:
-            ref = _packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed)
+            ref = multihost.local_array(_packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed, place))
             ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
         else:
-            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-            ref = reference_logprobs(job.policy.apply_fn, job.ref_params, batch.tokens, pos)
+            ref = reference_logprobs(job.policy.apply_fn, job.ref_params, place(batch.tokens), place(pos))
+            ref = multihost.local_array(ref)
         batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
     adv = jaxprm.compute_advantages(batch, job.adv_cfg)
     key = jax.random.fold_in(job.base_key, step)
     if use_packed:
         inputs = packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg)
         if cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
-            inputs["proximal_logprobs"] = _packed_ref_logprobs(job.policy.apply_fn, job.state.params, packed)
+            inputs["proximal_logprobs"] = _packed_ref_logprobs(job.policy.apply_fn, job.state.params, packed, place)
         job.state, m = packed_step(job.state, inputs, key)
         if getattr(job, "precompiler", None) is not None:
             R, N, S = inputs["key_blocks"].shape
@@ -231,8 +234,8 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
     else:
         data = step_inputs(batch, adv.advantages)
         if cfg.ppo.decoupled:
-            pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-            data["proximal_logprobs"] = reference_logprobs(job.policy.apply_fn, job.state.params, batch.tokens, pos)
+            data["proximal_logprobs"] = reference_logprobs(job.policy.apply_fn, job.state.params, place(batch.tokens),
+                                                           place(pos))
         job.state, m = job.step_fn(job.state, data, key)
     job.policy.params = job.state.params
     out = {k: float(v) for k, v in jax.device_get(m).items()}
@@ -253,10 +256,13 @@ def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
 _REF_CACHE: dict = {}
 
 
-def _packed_ref_logprobs(apply_fn, params, packed: PackedBatch) -> jax.Array:
+def _packed_ref_logprobs(apply_fn, params, packed: PackedBatch, place=lambda x: x) -> jax.Array:
+    """Per-token log-probs ``[R, L]`` of the packed rows under ``params``; ``place`` puts each input
+    where the forward runs (``job.on_mesh``)."""
     fn = _REF_CACHE.get(id(apply_fn))
     if fn is None:
         fn = jax.jit(lambda p, t, q, qb, kb, par: packed_logprobs(
             apply_fn(p, t, q, query_blocks=qb, key_blocks=kb), t, par))
         _REF_CACHE[id(apply_fn)] = fn
-    return fn(params, packed.tokens, packed.positions, packed.query_blocks, packed.key_blocks, packed.parents)
+    return fn(params, *(place(x) for x in (packed.tokens, packed.positions, packed.query_blocks, packed.key_blocks,
+                                            packed.parents)))

@@ -75,11 +75,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Append-only metric rows to ``metrics.jsonl`` and TensorBoard, with resume truncation."""
+    """Append-only metric rows to ``metrics.jsonl`` and TensorBoard, with resume truncation.
 
-    def __init__(self, run_dir: str | Path, *, resume_step: int | None = None, tensorboard: bool = True) -> None:
+    With ``write=False`` (the other processes of a distributed run; process 0 writes) nothing is
+    opened or written and ``log`` only returns the row."""
+
+    def __init__(self, run_dir: str | Path, *, resume_step: int | None = None, tensorboard: bool = True,
+                 write: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
+        self._f = self._tb = None
+        if not write:
+            return
         if resume_step is not None:
             self.truncate_after(resume_step)
         self._f = open(self.path, "a", encoding="utf-8")
@@ -104,6 +111,8 @@ class MetricsLog:
 
     def log(self, step: int, kind: str, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": int(step), "kind": kind, **{k: _jsonable(v) for k, v in metrics.items()}}
+        if self._f is None:
+            return row
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         if self._tb is not None:
@@ -115,12 +124,16 @@ class MetricsLog:
 
     def sync(self) -> None:
         """Make every written row durable (called before a checkpoint is started)."""
+        if self._f is None:
+            return
         self._f.flush()
         os.fsync(self._f.fileno())
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
+        if self._f is None:
+            return
         self.sync()
         self._f.close()
         if self._tb is not None:
@@ -307,10 +320,14 @@ class Checkpointer:
                 f"none of the {len(damaged)} checkpoints in {self.directory} restores ("
                 + "; ".join(f"{s}: {why}" for s, why in damaged)
                 + "); move the checkpoints directory away to start again from step 0")
+        from jaxprm.train import multihost
+
+        primary = multihost.is_primary()  # one process moves the damaged ones; the others wait for it
         for step, why in damaged:
-            dest = self._move_aside(step)
+            dest = self._move_aside(step) if primary else self.damaged_dir
             log(f"warning: checkpoint {step} ({self.directory / str(step)}) is damaged and was moved to {dest}: {why}")
         if damaged:
+            multihost.barrier("jaxprm-checkpoints-moved-aside")
             self.manager.reload()
             log(f"warning: resuming from checkpoint {result[0]}, the newest that restores")
         return result

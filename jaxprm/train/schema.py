@@ -353,7 +353,11 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class DistributedConfig:
-    """Multi-host: ``jax.distributed.initialize`` is called when ``enabled``."""
+    """Multi-host (``jaxprm.train.multihost``): with ``enabled``, ``jax.distributed.initialize`` is
+    called with these keys (JAX's names), or with none of them set, with what a cluster launcher
+    (SLURM, Open MPI, a TPU pod, Kubernetes) puts in the environment. Every process runs the same
+    command: each rolls out its share of the step's tasks on its own generation server, the global
+    batch spans the ``mesh`` over all processes' devices, process 0 writes the run directory."""
 
     enabled: bool = False
     coordinator_address: str | None = None

@@ -201,3 +201,31 @@ def test_a_program_that_jax_has_cached_is_stored_runnable(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append(r.stdout.strip())
     assert outs[1] == outs[2] == str(float(2 * sum(range(2 * 32 * 32))))
+
+
+_ONE_OF_FOUR = r"""
+import sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jaxprm.serve import executables
+executables.store_dir = lambda: Path(sys.argv[1])
+x = jax.device_put(jnp.arange(4.0), jax.devices()[2])  # a one-device program on the third of four devices
+lower = lambda: jax.jit(lambda a: a * 2.0 + 1.0).lower(x)
+first = executables.load_or_compile("affine", ("x",), lower)
+executables._memory.clear()  # what a later process sees: the disk only
+loaded = executables.load_or_compile("affine", ("x",), lambda: 1 / 0)
+out = loaded(x)
+assert out.devices() == {jax.devices()[2]}, out.devices()
+np.testing.assert_array_equal(np.asarray(out), np.asarray(first(x)))
+print("ok")
+"""
+
+
+def test_a_stored_program_loads_onto_the_devices_it_was_compiled_for(tmp_path):
+    """With several devices (8 simulated CPU devices, or one process of a multi-process job), the
+    loader must not spread a one-device program over every device of the backend."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", _ONE_OF_FOUR, str(tmp_path / "store")], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
