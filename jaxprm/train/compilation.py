@@ -236,6 +236,19 @@ class Span:
     _child_compile: float = 0.0
 
 
+@contextlib.contextmanager
+def measured() -> Iterator[Span]:
+    """A :class:`Span` measured (wall and compile seconds) but not added to any :class:`PhaseTimes`:
+    work that overlaps the accounted phases (asynchronous rollouts; the learner's wait for them is
+    what the run's phases count)."""
+    span = Span()
+    t0, c0 = time.perf_counter(), METER.snapshot()
+    try:
+        yield span
+    finally:
+        span.wall, span.compile = time.perf_counter() - t0, (METER.snapshot() - c0).seconds
+
+
 class PhaseTimes:
     """Where a run's time goes: wall seconds per phase with the compilation inside each phase moved
     to ``compile`` (measured by :data:`METER`). Phases may nest (a nested phase's time is its own,

@@ -279,6 +279,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if r.strategy != "flat":
         budget = r.max_branches or r.group_size
         _check(budget >= r.b0, "rollout.max_branches", f"the branch budget ({budget}) must be >= rollout.b0 ({r.b0})")
+    _positive(r, "rollout", "max_staleness", allow_zero=True)
+    if r.asynchronous:
+        _check(r.source == "tree", "rollout.asynchronous",
+               "needs rollout.source=tree (the recording proxy's agents are rolled out step by step)")
+        _check(not cfg.distributed.enabled, "rollout.asynchronous", "is single-process (not with distributed.enabled)")
     validate_agent(cfg)
     e = cfg.env
     _check(2 <= e.size <= 16, "env.size", f"must be in [2, 16], got {e.size}")

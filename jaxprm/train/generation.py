@@ -53,10 +53,12 @@ class Generation:
         self.client: GenerationClient | None = None
         self.prompts = PromptBuilder(policy.tokenizer)
         self.max_context = policy.config.max_position_embeddings
+        self.version = 0  # the weight version the server(s) have: the learner step that made the weights
 
-    async def start(self, *, resume_step: int = 0) -> None:
-        """Start the embedded server or check the external ones; an external server that is behind a
-        resumed run gets the restored weights."""
+    async def start(self, *, resume_step: int = 0, push_weights: bool = False) -> None:
+        """Start the embedded server or check the external ones. An external server gets the
+        learner's weights first when it cannot have them: on resume (the restored step's) and with
+        ``push_weights`` (a warm-started policy, version 0)."""
         cfg, s = self.cfg, self.cfg.server
         api_key = s.api_key
         if s.kind == "embedded":
@@ -68,6 +70,8 @@ class Generation:
                                 "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch)},
                 collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor,
                 prefill_chunk=s.prefill_chunk, max_prefill_tokens=s.max_prefill_tokens)
+            if resume_step > 0:  # the restored weights are the resumed step's version (rollouts' staleness)
+                self.server.update_weights(_copy(self.policy.params), version=resume_step)
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")
         else:
@@ -77,8 +81,9 @@ class Generation:
             await self.client.check_health()
             if s.token_backed:
                 await self.client.probe_token_io(self.prompts.initial([{"role": "user", "content": "Hi"}]))
-            if resume_step > 0:
+            if resume_step > 0 or push_weights:
                 await self.sync(resume_step)
+        self.version = resume_step
 
     async def sync(self, step: int) -> None:
         """Serve the policy's current params as weight version ``step``.
@@ -88,6 +93,7 @@ class Generation:
         params = _copy(self.policy.params)
         if self.server is not None:
             self.server.update_weights(params, version=step)
+            self.version = step
             return
         if multihost.is_primary():
             s = self.cfg.server
@@ -98,6 +104,7 @@ class Generation:
             if prev.exists():
                 shutil.rmtree(prev, ignore_errors=True)
         multihost.barrier(f"jaxprm-weight-sync-{step}")
+        self.version = step
 
     def check_behavior(self, step: int, row: dict[str, Any]) -> None:
         """Warn (``server.warn_behavior_kl``) or stop with :class:`TrainError`

@@ -48,9 +48,11 @@ import jaxprm
 from jaxprm.models import save_pretrained
 from jaxprm.train import adapters, multihost, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
-from jaxprm.train.compilation import METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache
+from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache,
+                                      measured)
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.generation import Generation
+from jaxprm.train.overlap import RolloutProducer, drop_stale, group_version
 from jaxprm.train.packed import learn_packed
 from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
@@ -117,6 +119,22 @@ def _fmt(res: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 # the job
 # ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Collected:
+    """One step's rollouts, scored and filtered: the train row so far, the groups to learn from with
+    their process rewards and weight versions (``overlap.group_version``), the task stream's position
+    after the step's tasks, and the rollout and scoring spans."""
+
+    step: int
+    row: dict[str, Any]
+    kept: list
+    rewards: list
+    versions: list[int]
+    data_pos: int
+    rollout: Any
+    scoring: Any
 
 
 class _Job:
@@ -212,6 +230,10 @@ class _Job:
         self.cleanup.push("metrics log", self.metrics.close)
         multihost.barrier("jaxprm-metrics-log")  # read below after process 0 truncated it (resume)
         self.stream = TaskStream(self.train_tasks, cfg.seed, data_pos)
+        self.consumed_pos = data_pos  # the tasks learned from (asynchronous rollouts take them ahead)
+        if cfg.rollout.asynchronous and cfg.rollout.max_staleness > 0 and not cfg.ppo.decoupled:
+            self.log(f"WARNING: rollout.asynchronous with max_staleness={cfg.rollout.max_staleness} learns from "
+                     "groups sampled by older weights; ppo.decoupled=true corrects for it")
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         self.history = [r for r in rows if r.get("kind") == "eval"]
         if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):
@@ -312,6 +334,7 @@ class _Job:
                 res.update(scored.metrics.summary())
         res["eval_s"] = span.wall - span.compile
         res["compile_s"] = span.compile
+        res["loop_s"] = self._loop_s()
         row = self.metrics.log(step, "eval", res)
         self.history.append(row)
         return res
@@ -322,7 +345,7 @@ class _Job:
             tree = {"train": self.state, "rng": self._replicated(jax.random.key_data(self.base_key))}
             if self.ref_params is not None:
                 tree["ref"] = self.ref_params
-            self.ckpt.save(step, tree, {"step": step, "data_pos": self.stream.pos, "warm_start": self.warm_report})
+            self.ckpt.save(step, tree, {"step": step, "data_pos": self.consumed_pos, "warm_start": self.warm_report})
 
     # -- main -----------------------------------------------------------------------------------
     async def agent_step(self, step: int) -> dict[str, Any]:
@@ -336,22 +359,59 @@ class _Job:
         row.update(res.prm_metrics.summary())  # the exports' prm_stats, recorded after they returned
         with self.times.phase("learn") as learning:
             row.update(self._learn_or_skip(step, lambda: self.learn_rows(res.rows, step) if res.rows else None))
+        self.consumed_pos = self.stream.pos
         return await self._finish_step(step, row, t0, rollout, (rollout, learning))
 
     async def train_step(self, step: int, scorer) -> dict[str, Any]:
         """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
-        cfg = self.cfg
         t0 = time.perf_counter()
+        c = await self.collect(step, scorer)
+        return await self.learn_step(c, t0, (c.rollout, c.scoring))
+
+    async def async_step(self, step: int, producer: RolloutProducer) -> dict[str, Any]:
+        """``rollout.asynchronous``: the step's groups from the producer (rolled out while earlier
+        steps learned; the wait is the step's rollout phase), the stale ones dropped, then learn (in
+        a worker thread, so that the producer's rollouts go on) and push the weights."""
+        t0 = time.perf_counter()
+        with self.times.phase("rollout") as waiting:
+            c = await producer.get()
+        assert c.step == step, (c.step, step)
+        c.kept, c.rewards, stale = drop_stale(c.kept, c.rewards, c.versions, step - 1, producer.max_staleness)
+        c.row.update(stale, kept_groups=len(c.kept), rollout_wait_s=waiting.wall, rollouts_ahead=producer.ahead)
+        row = await self.learn_step(c, t0, (waiting,), in_thread=True)
+        await producer.served(step)
+        return row
+
+    async def learn_step(self, c: _Collected, t0: float, spans: tuple, *, in_thread: bool = False) -> dict[str, Any]:
+        """Learn from a collected step, push the weights, log the row (``spans``: the phases before
+        learning whose compile time the row counts)."""
+        step = c.step
+
+        def learn() -> dict[str, Any]:
+            return self._learn_or_skip(step, lambda: self.learn(c.kept, c.rewards, step) if c.kept else None)
+
+        with self.times.phase("learn") as learning:
+            c.row.update(await asyncio.to_thread(learn) if in_thread else learn())
+        self.consumed_pos = c.data_pos
+        return await self._finish_step(step, c.row, t0, c.rollout, (*spans, learning))
+
+    async def collect(self, step: int, scorer, *, timed: bool = True) -> _Collected:
+        """Rollout -> scoring -> filter for step ``step`` (``timed``: as phases of the run; the
+        asynchronous producer's overlap them and are measured only)."""
+        cfg = self.cfg
+        phase = self.times.phase if timed else (lambda name: measured())
+        served = self.gen.version  # the weights the server has as the rollouts start
         # every process takes the same tasks and rolls out its share (all of them in one process);
         # group i of the step keeps its seed whichever process runs it
         offset, tasks = multihost.process_share(self.stream.take(cfg.rollout.tasks_per_step))
+        data_pos = self.stream.pos
         branch_rejected: list[GroupRejected] = []
-        with self.times.phase("rollout") as rollout:
+        with phase("rollout") as rollout:
             groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
                                       prompts=self.gen.prompts,
                                       config=adapters.tree_config(cfg, max_context=self.gen.max_context),
                                       scorer=scorer, group_seed=step * 10_000 + offset, rejected=branch_rejected)
-        with self.times.phase("score") as scoring:
+        with phase("score") as scoring:
             scored = await score_groups(self.prm, groups) if self.prm is not None else None
             if self.multi:  # every process gets every process's groups (and scoring), in task order
                 parts = multihost.allgather_objects((groups, branch_rejected, scored))
@@ -378,9 +438,7 @@ class _Job:
         if branch_rejected:
             row["branch_rejected_groups"] = len(branch_rejected)
             row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
-        with self.times.phase("learn") as learning:
-            row.update(self._learn_or_skip(step, lambda: self.learn(kept, rewards, step) if kept else None))
-        return await self._finish_step(step, row, t0, rollout, (rollout, scoring, learning))
+        return _Collected(step, row, kept, rewards, [group_version(g, served) for g in kept], data_pos, rollout, scoring)
 
     def _learn_or_skip(self, step: int, learn) -> dict[str, Any]:
         """``learn()``'s metrics, or (nothing to learn from: it returned ``None``) a skipped step."""
@@ -401,9 +459,15 @@ class _Job:
             raise
         with self.times.phase("sync") as sync:
             await self.gen.sync(step)
-        row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0)
+        row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0,
+                   loop_s=self._loop_s())
         self.metrics.log(step, "train", row)
         return row
+
+    def _loop_s(self) -> float:
+        """Seconds since the training loop started (0 before): rows' time axis."""
+        t = getattr(self, "t_loop", None)
+        return 0.0 if t is None else time.perf_counter() - t
 
     def _keep_example_tree(self, groups) -> None:
         """Remember the group with the most checkpoint activity so far, for the PaTR tree plot."""
@@ -428,7 +492,7 @@ class _Job:
         self.gen = Generation(cfg, self.policy, self.run_dir, self.log)
         self.cleanup.push("generation server and client", self.gen.aclose)
         with self.times.phase("setup"):
-            await self.gen.start(resume_step=self.start_step)
+            await self.gen.start(resume_step=self.start_step, push_weights=bool(self.warm_report))
         self.prm = None
         if cfg.prm.active:
             try:
@@ -457,12 +521,24 @@ class _Job:
             res = await self.run_eval(0)
             first_eval = last_eval = {"step": 0, **res}
             self.log("eval @0 (warm-started policy): " + _fmt(res))
+        producer = None
+        if cfg.rollout.asynchronous and self.agents is None:
+            producer = RolloutProducer(lambda k: self.collect(k, scorer, timed=False), first=self.start_step + 1,
+                                       last=cfg.steps, max_staleness=cfg.rollout.max_staleness,
+                                       learner_version=self.start_step)
+            self.cleanup.push("rollout producer", producer.aclose)  # stopped before the server
+        self.t_loop = time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (cfg.progress and self.primary),
                    dynamic_ncols=True, desc="train")
         step = self.start_step
         while step < cfg.steps:
             step += 1
-            row = await (self.agent_step(step) if self.agents is not None else self.train_step(step, scorer))
+            if self.agents is not None:
+                row = await self.agent_step(step)
+            elif producer is not None:
+                row = await self.async_step(step, producer)
+            else:
+                row = await self.train_step(step, scorer)
             if step % cfg.eval.every_steps == 0 or step == cfg.steps:
                 res = await self.run_eval(step)
                 last_eval = {"step": step, **res}

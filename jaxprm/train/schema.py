@@ -127,6 +127,13 @@ class RolloutConfig:
         "none", "mixed_or_penalized_all_wrong", "mixed_or_penalized_all_wrong_mask_no_eos"
     ] = "none"
     branch_scorer: BranchScorerSpec = dataclasses.field(default_factory=lambda: BranchScorerSpec())
+    # Asynchronous rollouts (jaxprm.train.overlap): the next steps' groups are rolled out while the
+    # learner trains, with the newest weights the server has. A step's groups may be at most
+    # max_staleness weight versions behind the learner when it learns from them: rollouts wait past
+    # that, and a group found staler (its oldest token) is dropped and counted. Use it with
+    # ppo.decoupled, which corrects for the staleness. max_staleness 0 is the synchronous loop.
+    asynchronous: bool = False
+    max_staleness: int = 1
 
 
 @dataclasses.dataclass
