@@ -2,7 +2,7 @@
 over wall time.
 
     python -m benchmarks.async_rl [--seeds 0 1 2] [--steps 30] [--out runs/bench_async]
-                                  [--external] [--json benchmarks/results/async_rl_cpu.json]
+                                  [--external [--external-seeds 0]] [--json benchmarks/results/async_rl_cpu.json]
 
 Variants (each ``python -m jaxprm.train seed=S steps=N`` plus):
 - ``sync``: the README default;
@@ -10,8 +10,9 @@ Variants (each ``python -m jaxprm.train seed=S steps=N`` plus):
 - with ``--external``, both again against a separate ``python -m jaxprm.serve`` process
   (``server.kind=external``, weights synced through ``/update_weights_from_disk``).
 
-Runs go one at a time (timings are the point), sharing one warm-start and compile cache, so the
-first run of a seed pays its warm start; the seeds' warm starts are made before any timed run. The
+Runs go one at a time (timings are the point), sharing one warm-start and compile cache. Before the
+timed runs, one untimed run of each variant (first seed, ``OUT/warmup-*``) fills the caches, so no
+timed run pays for compiling programs another run made (warm starts are cached per seed). The
 time axis is ``loop_s``: seconds since the training loop started (after the warm start and the first
 evaluation). A run whose ``summary.json`` exists is reused (resumable).
 
@@ -129,25 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", type=Path, default=Path("runs/bench_async"))
     ap.add_argument("--external", action="store_true", help="also against a separate server process")
+    ap.add_argument("--external-seeds", type=int, nargs="+", default=None,
+                    help="the seeds of the external-server runs (default: --seeds)")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/async_rl_cpu.json"))
     a = ap.parse_args(argv)
     variants = {"sync": [], "async": ASYNC}
     results: dict[str, dict] = {}
+    for name, extra in variants.items():  # untimed: the caches (each seed's warm start is cached by its first run)
+        run_one(a.out / f"warmup-{name}", a.seeds[0], a.steps, extra)
     for name, extra in variants.items():
         results[name] = {}
         for seed in a.seeds:
             results[name][seed] = run_one(a.out / f"{name}-s{seed}", seed, a.steps, extra)
-    if a.external:
-        server = _ExternalServer(a.out / "external-weights", a.out / "external-server.log")
-        try:
-            for name, extra in variants.items():
-                results[f"{name}, external server"] = {}
-                for seed in a.seeds:
-                    weights = a.out / "external-weights" / f"{name}-s{seed}"
+    if a.external:  # a server per run: its weight versions never go back, and each run starts at 0
+        for name, extra in variants.items():
+            results[f"{name}, external server"] = {}
+            for seed in a.external_seeds or a.seeds:
+                root = a.out / f"external-weights-{name}-s{seed}"
+                server = _ExternalServer(root, a.out / f"external-server-{name}-s{seed}.log")
+                try:
                     results[f"{name}, external server"][seed] = run_one(
-                        a.out / f"{name}-external-s{seed}", seed, a.steps, [*extra, *server.overrides(weights)])
-        finally:
-            server.close()
+                        a.out / f"{name}-external-s{seed}", seed, a.steps, [*extra, *server.overrides(root / "w")])
+                finally:
+                    server.close()
     table = _table(results)
     print(table)
     a.json.parent.mkdir(parents=True, exist_ok=True)

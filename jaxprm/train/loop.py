@@ -25,6 +25,15 @@ Resources (checkpointer, metrics log, generation server and client, scorers) are
 order of opening, each even when another fails; an error that stops the run is what the caller sees,
 with cleanup failures attached to it as notes.
 
+With ``rollout.asynchronous`` steps 1-4 of later steps run while the learner trains
+(``jaxprm.train.overlap``): the learner takes each step's groups from a producer, drops those more
+than ``rollout.max_staleness`` weight versions behind it, and learns in a worker thread. Compile
+seconds that the producer's rollouts spend then count in the learner's phase.
+
+In a distributed run (``distributed.enabled``, ``jaxprm.train.multihost``) each process rolls out
+and scores its share of the step's tasks, the groups are gathered to every process, and the learner
+steps on the mesh over all of them; process 0 writes the run directory.
+
 The translations from the config to each package's settings are in ``jaxprm.train.adapters``.
 """
 

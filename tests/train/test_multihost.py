@@ -2,7 +2,8 @@
 in two local processes of 4 CPU devices each (gloo collectives), each rolling out its share of the
 step's tasks against its own embedded server.
 
-- One step of two processes equals one process of 8 devices on the same mesh: the same rollouts,
+- One step of two processes (started as SLURM's ``srun`` would: JAX reads the job from the
+  environment) equals one process of 8 devices on the same mesh: the same rollouts,
   process rewards, held-out evaluation, loss and gradient norm, and the same weights after the
   update to float32 rounding (process rewards on, so the advantages are not zero).
 - Two processes killed after a checkpoint and resumed continue exactly: every train row's data,
@@ -50,19 +51,38 @@ def _env(devices: int, home: Path) -> dict:
                 XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
 
 
-def _start(args: list[str], run: Path, processes: int, home: Path) -> list[subprocess.Popen]:
+def _slurm_port() -> int:
+    """A free port where SLURM's convention puts a job's coordinator (61440 + job id mod 4096)."""
+    for _ in range(100):
+        port = 61440 + int.from_bytes(os.urandom(2), "little") % 4096
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 61440-65535")
+
+
+def _start(args: list[str], run: Path, processes: int, home: Path, *, launcher: str = "flags"
+           ) -> list[subprocess.Popen]:
     """``processes`` trainer processes of ``8 // processes`` devices each on one job (their output in
-    files beside ``run``: gloo writes a lot)."""
-    dist = []
-    port = _free_port()
+    files beside ``run``: gloo writes a lot). ``launcher``: ``flags`` (the ``distributed.*`` keys) or
+    ``slurm`` (only ``distributed.enabled=true``; JAX reads what ``srun`` would set)."""
+    port = _slurm_port() if launcher == "slurm" else _free_port()
     procs = []
     for i in range(processes):
-        if processes > 1:
+        dist, env = [], _env(8 // processes, home)
+        if processes > 1 and launcher == "slurm":
+            dist = ["distributed.enabled=true"]
+            env.update(SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS=str(processes),
+                       SLURM_PROCID=str(i), SLURM_LOCALID=str(i))
+        elif processes > 1:
             dist = ["distributed.enabled=true", f"distributed.coordinator_address=127.0.0.1:{port}",
                     f"distributed.num_processes={processes}", f"distributed.process_id={i}"]
         out, err = (run.with_name(f"{run.name}.{i}.{k}").open("a") for k in ("out", "err"))
         procs.append(subprocess.Popen([sys.executable, "-m", "jaxprm.train", *args, *dist], stdout=out, stderr=err,
-                                      cwd=ROOT, env=_env(8 // processes, home), start_new_session=True))
+                                      cwd=ROOT, env=env, start_new_session=True))
     return procs
 
 
@@ -80,8 +100,8 @@ def _wait(procs: list[subprocess.Popen], run: Path, timeout: float = 900) -> Non
         assert p.returncode == 0, f"process {i}: {err.read_text()[-4000:]}"
 
 
-def _train(args: list[str], run: Path, processes: int, home: Path) -> list[dict]:
-    _wait(_start([*args, f"run_dir={run}"], run, processes, home), run)
+def _train(args: list[str], run: Path, processes: int, home: Path, **kw) -> list[dict]:
+    _wait(_start([*args, f"run_dir={run}"], run, processes, home, **kw), run)
     return read_metrics(run / "metrics.jsonl")
 
 
@@ -94,7 +114,7 @@ def test_one_step_of_two_processes_equals_one_process_of_eight_devices(tmp_path)
     # keeps each update proportional to its gradient, so that rounding stays rounding
     args = ["--config", "configs/default_prm.yaml", *TINY, "steps=1", "checkpoint.every_steps=1",
             "optimizer.eps=0.01", "optimizer.warmup_steps=0", f"warm_start.cache_dir={tmp_path / 'cache'}"]
-    two = _train(args, tmp_path / "two", 2, tmp_path / "home")
+    two = _train(args, tmp_path / "two", 2, tmp_path / "home", launcher="slurm")  # as under srun
     one = _train(args, tmp_path / "one", 1, tmp_path / "home")
     assert [r["kind"] for r in two] == [r["kind"] for r in one] == ["warm_start", "eval", "train", "eval"]
     assert (tmp_path / "two.1.out").read_text().count("[process 1]") > 0  # process 1 ran, and wrote nothing
