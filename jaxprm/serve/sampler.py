@@ -92,6 +92,7 @@ class Sampler:
       dtype: serve the weights in this dtype (e.g. ``"bfloat16"``; default: the model's). Logits,
         sampling and log-probs stay float32; the KV cache defaults to this dtype; weight updates are
         cast to it.
+      weight_version: the version of ``model``'s weights (what a resumed trainer's weights are).
 
     Thread-safety: ``generate`` and ``update_params`` may be called from different threads; a call
     uses the weights current when it starts.
@@ -113,6 +114,7 @@ class Sampler:
         host_sync_every: int = 8,
         dedupe_prompts: bool = True,
         dtype: Any = None,
+        weight_version: int = 0,
     ):
         self._kv_cls = KVCache
         self.config = model.config
@@ -142,7 +144,7 @@ class Sampler:
         self.cache_dtype = cache_dtype
         self._params = params
         self._rest = rest
-        self._version = 0
+        self._version = int(weight_version)
         self._lock = threading.Lock()
         self._num_traces = 0
 

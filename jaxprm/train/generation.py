@@ -35,11 +35,12 @@ from rollout.client import GenerationClient
 __all__ = ["Generation"]
 
 
-def _copy(params: Any) -> Any:
-    """The weights to serve: a copy (the train step donates its own), or, where the learner's
-    arrays span several processes, this host's whole copy of them (a collective)."""
+def _copy(params: Any, *, copy: bool = True) -> Any:
+    """The weights to serve: a copy (``copy``: the train step donates its own; else the arrays
+    themselves), or, where the learner's arrays span several processes, this host's whole copy of
+    them (a collective)."""
     if all(x.is_fully_addressable for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
-        return jax.tree.map(jnp.copy, params)
+        return jax.tree.map(jnp.copy, params) if copy else params
     return multihost.host_copy(params)
 
 
@@ -67,11 +68,10 @@ class Generation:
                 self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
                 model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
                 sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context,
-                                "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch)},
+                                "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch),
+                                "weight_version": resume_step},  # restored weights: the resumed step's
                 collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor,
                 prefill_chunk=s.prefill_chunk, max_prefill_tokens=s.max_prefill_tokens)
-            if resume_step > 0:  # the restored weights are the resumed step's version (rollouts' staleness)
-                self.server.update_weights(_copy(self.policy.params), version=resume_step)
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")
         else:
@@ -90,11 +90,11 @@ class Generation:
 
         In a distributed run every process calls it: each swaps the weights of its own embedded
         server; external servers are updated once, by process 0, and the others wait for it."""
-        params = _copy(self.policy.params)
         if self.server is not None:
-            self.server.update_weights(params, version=step)
+            self.server.update_weights(_copy(self.policy.params), version=step)
             self.version = step
             return
+        params = _copy(self.policy.params, copy=False)  # saved to disk, not kept
         if multihost.is_primary():
             s = self.cfg.server
             out = Path(s.weight_sync_dir or (self.run_dir / "weights")).absolute() / f"step-{step}"
