@@ -1,18 +1,35 @@
-"""Flat GRPO vs Tree-Random vs PaTR on the default FrozenLake setup, at an equal rollout budget.
+"""The paper's comparison on this machine: GRPO, DAPO, ARPO, Tree-Random and PaTR on FrozenLake at an
+equal sampling cost.
 
-    python -m benchmarks.frozenlake [--seeds 0 1 2] [--steps N] [--out runs/bench] [key.sub=value ...]
+    python -m benchmarks.frozenlake [--seeds 0 1 2] [--steps N] [--variants grpo patr ...]
+        [--budget tokens|trajectories] [--jobs J] [--out DIR] [key.sub=value ...]
 
-Every run uses the embedded default (same warm start per seed, same tasks, same learner); only
-``rollout.strategy`` changes. The budget is equal by construction: flat groups have ``group_size``
-samples, tree groups have ``max_branches = group_size`` trajectories (dead slots are refilled), and
-the table also reports the sampled actions each strategy actually spent. Prints a table of held-out
-sampled success per eval step (mean ± std over seeds), writes ``results.json`` and ``success.png``.
+Every run is ``python -m jaxprm.train --config configs/<variant>.yaml`` on the embedded default
+(same warm start per seed, same tasks, same learner: clip-higher and the token-level loss for every
+row); only the rollout strategy changes. ``--budget tokens`` (default) equalises the *sampled tokens
+per step*, the budget that costs generation compute: a one-step pilot of each variant (seed 0, the
+warm-started policy) measures its generated tokens per task, and each variant then rolls out
+``round(16 * flat's tokens per task / its own)`` tasks a step (flat GRPO keeps 16). ``--budget
+trajectories`` keeps 16 tasks of 8 trajectories for all (the older protocol). The table reports
+what each run actually spent (tokens, trajectories and actions per step), since a policy's lengths
+change as it learns.
+
+Columns (held-out maps, the run's last evaluation, mean ± std over seeds): success (mean over 4
+samples per map), pass@4, response tokens per trajectory, turns, greedy success, and the gain of
+success over the run's step-0 evaluation. Writes ``results.json`` (every run's curve),
+``table.md``, ``summary.json`` and ``success.png`` (success over steps with seed bands) under
+``--out``. Finished runs are reused (delete a run directory to redo it); an interrupted run is
+restarted. ``--jobs`` runs that many trainings at once (default: one per 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import math
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,100 +37,220 @@ from pathlib import Path
 
 import numpy as np
 
-STRATEGIES = ("flat", "tree_random", "patr")
+ROOT = Path(__file__).resolve().parents[1]
+
+#: variant -> the config it runs (configs/<name>.yaml over the embedded default)
+VARIANTS = {
+    "grpo": "configs/flat_grpo.yaml",
+    "dapo": "configs/dapo.yaml",
+    "arpo": "configs/arpo.yaml",
+    "tree_random": "configs/tree_random.yaml",
+    "patr": "configs/default.yaml",
+    "patr_paper": "configs/patr_paper.yaml",
+}
+BASE_TASKS = 16  # the default's tasks per step: the flat GRPO row's budget
+
+#: the paper's Table 1 (FrozenLake, Qwen2.5-0.5B-Instruct): success, pass@4, response length, turns
+PAPER = {
+    "grpo": (66.5, 67.0, 513, 3.4), "dapo": (71.0, 71.0, 562, 4.2), "arpo": (69.7, 72.0, 377, 3.3),
+    "tree_random": (56.3, 63.0, 400, 3.9), "patr": (75.8, 78.0, 344, 3.6),
+}
 
 
-def _run(strategy: str, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
-    """One training run in its own process (compiled programs of earlier runs would otherwise pile
-    up in this one until LLVM cannot map more code), then its metrics."""
-    from jaxprm.train.config import load_config
+def _train(config: str, run_dir: Path, overrides: list[str], log: Path) -> None:
+    """One training in its own process (compiled programs of earlier runs would otherwise pile up in
+    this one); its output goes to ``log``."""
+    cmd = [sys.executable, "-m", "jaxprm.train", "--config", str(ROOT / config), f"run_dir={run_dir}",
+           "progress=false", "export_final=false", *overrides]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _rows(run_dir: Path) -> list[dict]:
     from jaxprm.train.rundir import read_metrics
 
-    run_dir = out / f"{strategy}-s{seed}"
-    overrides = [f"rollout.strategy={strategy}", f"seed={seed}", f"env.seed={seed}", f"run_dir={run_dir}",
-                 "progress=false", "export_final=false", *extra]
-    if steps is not None:
-        overrides.append(f"steps={steps}")
-    cfg = load_config(None, overrides)
-    if run_dir.exists() and (run_dir / "summary.json").is_file():
-        pass  # reuse a finished run
-    else:
-        if run_dir.exists():
-            import shutil
+    return read_metrics(run_dir / "metrics.jsonl")
 
-            shutil.rmtree(run_dir)
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").is_file()
+
+
+def _fresh(run_dir: Path) -> None:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+
+
+def pilot_tokens(variant: str, out: Path, extra: list[str]) -> float:
+    """Generated tokens per requested task in one step of ``variant`` from the warm-started policy
+    (seed 0; dynamic sampling's extra rounds included)."""
+    run_dir = out / "pilot" / variant
+    if not _finished(run_dir):
+        _fresh(run_dir)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        _train(VARIANTS[variant], run_dir, ["seed=0", "env.seed=0", "steps=1", "eval.at_start=false",
+                                            "eval.num_tasks=1", "eval.samples=1", "eval.greedy=false",
+                                            f"rollout.tasks_per_step={BASE_TASKS}", *extra],
+               run_dir.parent / f"{variant}.log")
+    row = next(r for r in _rows(run_dir) if r["kind"] == "train")
+    return row["generated_tokens"] / BASE_TASKS
+
+
+def tasks_per_step(pilots: dict[str, float]) -> dict[str, int]:
+    """Tasks per step that give every variant flat GRPO's sampled tokens per step."""
+    flat = pilots["grpo"]
+    return {v: max(1, round(BASE_TASKS * flat / t)) for v, t in pilots.items()}
+
+
+def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, extra: list[str]) -> dict:
+    """One seed of one variant (reused when finished): its eval curve and what it spent."""
+    run_dir = out / f"{variant}-s{seed}"
+    if not _finished(run_dir):
+        _fresh(run_dir)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", *overrides], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{strategy} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        print(f"  {strategy} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
-    rows = read_metrics(run_dir / "metrics.jsonl")
+        overrides = [f"seed={seed}", f"env.seed={seed}", f"rollout.tasks_per_step={tasks}", *extra]
+        if steps is not None:
+            overrides.append(f"steps={steps}")
+        _train(VARIANTS[variant], run_dir, overrides, out / f"{variant}-s{seed}.log")
+        print(f"  {variant} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
+    rows = _rows(run_dir)
     ev = [r for r in rows if r["kind"] == "eval"]
-    tr = [r for r in rows if r["kind"] == "train"]
+    tr = [r for r in rows if r["kind"] == "train" and not r.get("skipped_rollout")]
+    mean = lambda key: float(np.mean([r.get(key, 0) for r in tr])) if tr else 0.0  # noqa: E731
     return {
+        "tasks_per_step": tasks,
         "steps": [r["step"] for r in ev],
         "success": [r["success"] for r in ev],
-        "pass_at_k": [r.get(f"pass_at_{cfg.eval.samples}") for r in ev],
+        "pass_at_4": [r.get("pass_at_4") for r in ev],
         "greedy": [r.get("greedy_success") for r in ev],
-        "sampled_actions": int(sum(r.get("sampled_actions", 0) for r in tr)),
-        "groups_with_success": float(np.mean([r.get("groups_with_success", 0) for r in tr])) if tr else 0.0,
-        "expanded": int(sum(r.get("expanded", 0) for r in tr)),
-        "pruned": int(sum(r.get("pruned", 0) for r in tr)),
+        "response_tokens": [r.get("response_tokens") for r in ev],
+        "turns": [r.get("turns") for r in ev],
+        "tokens_per_step": mean("generated_tokens"),
+        "trajectories_per_step": mean("trajectories"),
+        "actions_per_step": mean("sampled_actions"),
+        "groups_with_success": mean("groups_with_success"),
+        "mixed_groups": mean("mixed_groups"),
+        "expanded_per_step": mean("expanded"),
+        "pruned_per_step": mean("pruned"),
+        "dynamic_dropped_per_step": mean("dynamic_dropped_groups"),
+        "wall_s": json.loads((run_dir / "summary.json").read_text()).get("wall_s"),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.frozenlake", description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
-    p.add_argument("--out", default="runs/bench_frozenlake")
-    p.add_argument("overrides", nargs="*", help="extra key.sub=value overrides for every run")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {}
-    for strategy in args.strategies:
-        for seed in args.seeds:
-            results.setdefault(strategy, []).append(_run(strategy, seed, out, args.steps, args.overrides))
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+def _ms(values) -> tuple[float, float]:
+    a = np.asarray([v for v in values if v is not None], float)
+    return (float(a.mean()), float(a.std())) if a.size else (math.nan, math.nan)
 
-    print("\nheld-out sampled success (mean ± std over seeds) per eval step")
-    steps = results[args.strategies[0]][0]["steps"]
-    header = f"{'strategy':<12}" + "".join(f"{f'@{s}':>14}" for s in steps) + f"{'curve mean':>14}{'pass@k last':>13}{'actions':>10}{'grp w/ succ':>12}"
-    print(header)
-    summary = {}
-    for strategy, runs in results.items():
-        n = min(len(r["success"]) for r in runs)
-        succ = np.array([r["success"][:n] for r in runs])
-        pk = np.array([r["pass_at_k"][n - 1] or 0.0 for r in runs])
-        mean, std = succ.mean(0), succ.std(0)
-        cells = "".join(f"{m:>8.3f}±{s:<5.3f}" for m, s in zip(mean, std))
-        acts = np.mean([r["sampled_actions"] for r in runs])
-        gws = np.mean([r["groups_with_success"] for r in runs])
-        print(f"{strategy:<12}{cells}{succ.mean():>14.3f}{pk.mean():>13.3f}{acts:>10.0f}{gws:>12.3f}")
-        summary[strategy] = {"curve_mean": float(succ.mean()), "final_mean": float(mean[-1]), "final_std": float(std[-1])}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
+def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per variant: the last evaluation's columns (mean, std over seeds), the gain over step 0, the
+    per-seed values and the spending per step."""
+    out = {}
+    for variant, runs in results.items():
+        last = lambda key: [r[key][-1] for r in runs]  # noqa: E731
+        gain = [r["success"][-1] - r["success"][0] for r in runs]
+        out[variant] = {
+            "seeds": len(runs),
+            "success": _ms(last("success")), "pass_at_4": _ms(last("pass_at_4")), "greedy": _ms(last("greedy")),
+            "response_tokens": _ms(last("response_tokens")), "turns": _ms(last("turns")), "gain": _ms(gain),
+            "success_per_seed": last("success"), "gain_per_seed": gain,
+            "curve_mean": float(np.mean([np.mean(r["success"]) for r in runs])),
+            **{k: float(np.mean([r[k] for r in runs])) for k in (
+                "tasks_per_step", "tokens_per_step", "trajectories_per_step", "actions_per_step",
+                "groups_with_success", "mixed_groups", "expanded_per_step", "pruned_per_step",
+                "dynamic_dropped_per_step")},
+        }
+    return out
+
+
+def table(summary: dict[str, dict], title: str) -> str:
+    """The markdown table: ours (percent, mean ± std over seeds) beside the paper's numbers."""
+    pct = lambda m: f"{100 * m[0]:.1f} ± {100 * m[1]:.1f}"  # noqa: E731
+    lines = [f"**{title}**", "",
+             "| method | success | pass@4 | resp. tokens | turns | greedy | gain | tasks/step | tokens/step "
+             "| traj./step | actions/step | paper succ. / pass@4 / RLen / turns |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v, s in summary.items():
+        paper = PAPER.get(v)
+        ref = " / ".join(str(x) for x in paper) if paper else "—"
+        lines.append(
+            f"| {v} ({s['seeds']} seeds) | {pct(s['success'])} | {pct(s['pass_at_4'])} | {s['response_tokens'][0]:.1f} "
+            f"| {s['turns'][0]:.2f} | {pct(s['greedy'])} | {100 * s['gain'][0]:+.1f} ± {100 * s['gain'][1]:.1f} "
+            f"| {s['tasks_per_step']:.0f} | {s['tokens_per_step']:.0f} | {s['trajectories_per_step']:.0f} "
+            f"| {s['actions_per_step']:.0f} | {ref} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for strategy, runs in results.items():
+    for variant, runs in results.items():
         n = min(len(r["success"]) for r in runs)
         xs = runs[0]["steps"][:n]
         succ = np.array([r["success"][:n] for r in runs])
-        ax.plot(xs, succ.mean(0), marker="o", label=strategy)
-        ax.fill_between(xs, succ.mean(0) - succ.std(0), succ.mean(0) + succ.std(0), alpha=0.2)
-    ax.set(xlabel="training step", ylabel="held-out sampled success", title=f"FrozenLake, {len(args.seeds)} seeds",
-           ylim=(0, 1))
+        ax.plot(xs, succ.mean(0), marker="o", label=variant)
+        ax.fill_between(xs, succ.mean(0) - succ.std(0), succ.mean(0) + succ.std(0), alpha=0.15)
+    ax.set(xlabel="training step", ylabel="held-out sampled success", title=title, ylim=(0, 1))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "success.png", dpi=110)
-    print(f"\nwrote {out / 'results.json'}, {out / 'summary.json'}, {out / 'success.png'}")
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.frozenlake", description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--budget", choices=("tokens", "trajectories"), default="tokens",
+                   help="equalise sampled tokens per step (default) or trajectories per step")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--out", default="runs/bench_frozenlake")
+    p.add_argument("--title", default=None, help="the table's title (default: the settings)")
+    p.add_argument("overrides", nargs="*", help="extra key.sub=value overrides for every run (e.g. env.size=6)")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    variants = list(dict.fromkeys(["grpo", *args.variants])) if args.budget == "tokens" else args.variants
+
+    if args.budget == "tokens":
+        print("pilot: generated tokens per task of each variant's first step (seed 0)", flush=True)
+        pilots = {v: pilot_tokens(v, out, args.overrides) for v in variants}
+        tasks = tasks_per_step(pilots)
+        for v in variants:
+            print(f"  {v:<12} {pilots[v]:7.1f} tokens/task -> {tasks[v]} tasks/step", flush=True)
+    else:
+        pilots, tasks = {}, dict.fromkeys(variants, BASE_TASKS)
+
+    jobs = [(v, s) for v in variants for s in args.seeds]
+    results: dict[str, list[dict]] = {v: [None] * len(args.seeds) for v in variants}
+    print(f"{len(jobs)} runs, {args.jobs} at a time", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(run_one, v, s, tasks[v], out, args.steps, args.overrides): (v, i)
+                   for v, s in jobs for i in [args.seeds.index(s)]}
+        for fut in concurrent.futures.as_completed(futures):
+            v, i = futures[fut]
+            results[v][i] = fut.result()
+
+    summary = summarize(results)
+    title = args.title or (f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, "
+                           f"equal {args.budget} per step")
+    md = table(summary, title)
+    print("\n" + md)
+    (out / "results.json").write_text(json.dumps({"budget": args.budget, "pilot_tokens_per_task": pilots,
+                                                  "tasks_per_step": tasks, "overrides": args.overrides,
+                                                  "runs": results}, indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "table.md").write_text(md + "\n")
+    plot(results, out / "success.png", title)
+    print(f"\nwrote {out}/results.json, summary.json, table.md, success.png")
     return 0
 
 

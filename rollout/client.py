@@ -12,6 +12,13 @@ sampled. Two dialects:
   ``return_logprob``; ids and log-probs come from ``meta_info.output_token_logprobs``
   (``[logprob, id, text]`` triples) or ``output_ids``.
 
+With ``SamplingParams.top_logprobs = n > 0`` the request also asks for the top-``n`` alternatives of
+every sampled token (vLLM ``logprobs: n``, whose ``choices[0].logprobs.top_logprobs`` holds one
+``{token: logprob}`` dict per token; SGLang ``top_logprobs_num: n``, whose
+``meta_info.output_top_logprobs`` holds one list of ``[logprob, id, text]`` per token), and
+:attr:`Generated.entropies` carries each token's entropy of that top-``n`` distribution,
+renormalised (what ARPO's entropy-adaptive branching reads).
+
 A server that answers with text only raises :class:`TextOnlyResponseError` when
 ``require_tokens`` (the default; process-reward training needs token-backed turns).
 
@@ -39,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from rollout.types import ModelResponse
 
@@ -50,9 +58,12 @@ __all__ = [
     "TextOnlyResponseError",
     "Generated",
     "DIALECTS",
+    "MAX_TOP_LOGPROBS",
+    "top_entropies",
 ]
 
 DIALECTS = ("vllm", "sglang")
+MAX_TOP_LOGPROBS = 20
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _FINISH = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
@@ -75,7 +86,10 @@ class TextOnlyResponseError(GenerationError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling options (``seed`` makes a deterministic server reproducible)."""
+    """Per-request sampling options (``seed`` makes a deterministic server reproducible).
+
+    ``top_logprobs``: 0 (default) or the number of alternatives per sampled token to ask for (at
+    most 20, the limit of vLLM and the embedded server); with it, :attr:`Generated.entropies`."""
 
     max_tokens: int = 64
     temperature: float = 1.0
@@ -83,6 +97,7 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -91,6 +106,8 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature}; must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs}; must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +157,14 @@ class ClientConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Generated:
-    """A turn's result: the token-backed response plus the text and timing."""
+    """A turn's result: the token-backed response plus the text and timing.
+
+    ``entropies``: with ``SamplingParams.top_logprobs > 0`` and a server that returned the
+    alternatives, one value per generated token: the entropy (nats) of the top-n distribution
+    renormalised, ``p_i = exp(l_i) / sum_j exp(l_j)``, ``H = -sum_i p_i log p_i``, over the
+    alternatives the server listed for that token (vLLM's dict also holds the sampled token, so it
+    may have n + 1 entries); ``nan`` for a token without alternatives. ``None`` when not requested
+    or when the answer carried none."""
 
     response: ModelResponse
     text: str | None
@@ -148,6 +172,7 @@ class Generated:
     attempts: int
     http_s: float  # wall time spent waiting on HTTP (all attempts, backoff excluded)
     client_s: float = 0.0  # synchronous client work: building the request and parsing the answer
+    entropies: list[float] | None = None
 
 
 class GenerationClient:
@@ -247,7 +272,7 @@ class GenerationClient:
             body: dict[str, Any] = {
                 "prompt": ids, "max_tokens": p.max_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "n": 1, "stream": False,
-                "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "logprobs": p.top_logprobs or 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
             }
             if self.config.model is not None:
                 body["model"] = self.config.model
@@ -265,7 +290,10 @@ class GenerationClient:
             sp["stop_token_ids"] = list(p.stop_token_ids)
         if p.seed is not None:
             sp["sampling_seed"] = int(p.seed)
-        return "/generate", {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": False}
+        body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": False}
+        if p.top_logprobs > 0:
+            body["top_logprobs_num"] = p.top_logprobs
+        return "/generate", body
 
     async def generate(self, prompt: Sequence[int], params: SamplingParams, *,
                        route_key: str | None = None) -> Generated:
@@ -291,16 +319,25 @@ class GenerationClient:
             self._stats["failures"] += 1
             raise GenerationError(f"{ep}{path} returned invalid JSON: {data[:200]!r}") from None
         parse = _parse_vllm if cfg.dialect == "vllm" else _parse_sglang
-        out, lps, finish, text, wv, echoed = parse(data, require_tokens=cfg.require_tokens)
+        out, lps, finish, text, wv, echoed, tops = parse(data, require_tokens=cfg.require_tokens,
+                                                         top_n=params.top_logprobs)
         if echoed is not None and list(echoed) != list(prompt):
             raise GenerationError(f"{ep}{path}: the server's prompt_token_ids differ from the prompt sent")
         response = ModelResponse(input_tokens=list(prompt), output_tokens=out, output_logprobs=lps,
                                  stop_reason=finish, weight_version=wv)
         self._stats["prompt_tokens"] += len(prompt)
         self._stats["generated_tokens"] += len(out)
+        entropies = None
+        if tops is not None:
+            if len(tops) != len(out):
+                raise GenerationError(f"{ep}{path}: {len(tops)} top-logprob entries for {len(out)} tokens")
+            try:
+                entropies = top_entropies(tops)
+            except (TypeError, ValueError) as e:
+                raise GenerationError(f"{ep}{path}: malformed top logprobs: {e}") from None
         client_s += time.perf_counter() - t_parse
         return Generated(response=response, text=text, endpoint=ep, attempts=attempts, http_s=http_s,
-                         client_s=client_s)
+                         client_s=client_s, entropies=entropies)
 
     async def _send(self, method: str, path: str, payload: bytes | None, *, route_key: str | None = None,
                     endpoint: str | None = None, retries: int | None = None) -> tuple[bytes, str, int, float]:
@@ -433,6 +470,45 @@ class GenerationClient:
 # ---------------------------------------------------------------------- response parsing
 
 
+def top_entropies(tops: Sequence[Sequence[float | None] | None]) -> list[float]:
+    """Per token, the entropy (nats) of its listed alternatives' log-probs ``l`` renormalised:
+    ``p = exp(l) / sum(exp(l))``, ``H = -sum(p log p)`` (float64, stable for ``-inf`` entries).
+    A token with no finite alternative (``None``, empty) gets ``nan``."""
+    width = max((len(t) for t in tops if t), default=0)
+    if width == 0:
+        return [float("nan")] * len(tops)
+    mat = np.full((len(tops), width), -np.inf)
+    for i, row in enumerate(tops):
+        if row:
+            mat[i, : len(row)] = [-np.inf if v is None else float(v) for v in row]
+    peak = mat.max(axis=1)
+    ok = np.isfinite(peak)
+    h = np.full(len(tops), np.nan)
+    if ok.any():
+        shifted = mat[ok] - peak[ok, None]  # -inf entries stay -inf and weigh 0
+        w = np.exp(shifted)
+        z = w.sum(axis=1, keepdims=True)
+        logp = np.where(w > 0, shifted - np.log(z), 0.0)
+        h[ok] = 0.0 - (w / z * logp).sum(axis=1)  # (0.0 - turns -0.0 into 0.0)
+    return h.tolist()
+
+
+def _vllm_tops(lp: dict[str, Any]) -> list[list[float | None] | None] | None:
+    """The alternatives' log-probs per token from ``logprobs.top_logprobs`` (dicts token -> logprob)."""
+    tops = lp.get("top_logprobs")
+    if tops is None:
+        return None
+    return [list(d.values()) if isinstance(d, dict) else None for d in tops]
+
+
+def _sglang_tops(meta: dict[str, Any]) -> list[list[float | None] | None] | None:
+    """The alternatives' log-probs per token from ``meta_info.output_top_logprobs`` (``[logprob, id, text]``)."""
+    tops = meta.get("output_top_logprobs")
+    if tops is None:
+        return None
+    return [[t[0] for t in row if t] if row else None for row in tops]
+
+
 def _finish_reason(raw: Any) -> str:
     if isinstance(raw, dict):
         raw = raw.get("type")
@@ -453,7 +529,9 @@ def _text_only(dialect: str) -> TextOnlyResponseError:
     )
 
 
-def _parse_vllm(data: dict[str, Any], *, require_tokens: bool):
+def _parse_vllm(data: dict[str, Any], *, require_tokens: bool, top_n: int = 0):
+    """``(ids, logprobs, finish, text, weight_version, echoed prompt ids, tops)`` of a completions
+    answer; ``tops`` (alternatives' log-probs per token) only when ``top_n > 0`` and present."""
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError, TypeError):
@@ -470,17 +548,18 @@ def _parse_vllm(data: dict[str, Any], *, require_tokens: bool):
     if ids is None or token_lps is None:
         if require_tokens:
             raise _text_only("vllm")
-        return [], [], finish, text, None, None
+        return [], [], finish, text, None, None, None
     if len(token_lps) != len(ids):
         raise GenerationError(f"vLLM response has {len(ids)} token ids but {len(token_lps)} logprobs")
     if any(v is None for v in token_lps):
         raise GenerationError("vLLM response has a null logprob for a sampled token")
     wv_raw = data.get("weight_version")  # reported by the embedded jaxprm server (and SGLang's OpenAI routes)
     wv = int(wv_raw) if isinstance(wv_raw, (int, str)) and str(wv_raw).isdigit() else None
-    return ids, token_lps, finish, text, wv, choice.get("prompt_token_ids")
+    return ids, token_lps, finish, text, wv, choice.get("prompt_token_ids"), _vllm_tops(lp) if top_n > 0 else None
 
 
-def _parse_sglang(data: Any, *, require_tokens: bool):
+def _parse_sglang(data: Any, *, require_tokens: bool, top_n: int = 0):
+    """As :func:`_parse_vllm`, for a ``/generate`` answer (no echoed prompt ids)."""
     if isinstance(data, list):
         data = data[0] if data else {}
     if not isinstance(data, dict) or "meta_info" not in data:
@@ -495,9 +574,9 @@ def _parse_sglang(data: Any, *, require_tokens: bool):
     if triples is None:
         if require_tokens:
             raise _text_only("sglang")
-        return [], [], finish, text, wv, None
+        return [], [], finish, text, wv, None, None
     lps = [float(t[0]) for t in triples]
     tids = [int(t[1]) for t in triples]
     if ids is not None and list(ids) != tids:
         raise GenerationError("SGLang output_ids disagree with the ids in output_token_logprobs")
-    return tids, lps, finish, text, wv, None
+    return tids, lps, finish, text, wv, None, _sglang_tops(meta) if top_n > 0 else None

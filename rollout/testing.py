@@ -5,15 +5,18 @@ The server speaks both dialects the client uses, with the response shapes of the
 * vLLM ``POST /v1/completions`` with ``prompt`` as a list of token ids; ``choices[i]`` carries
   ``text``, ``token_ids`` / ``prompt_token_ids`` (when ``return_token_ids``), ``logprobs`` in the
   OpenAI completions layout (``tokens`` as ``"token_id:N"`` strings when
-  ``return_tokens_as_token_ids``), ``finish_reason`` and ``stop_reason``.
+  ``return_tokens_as_token_ids``; ``top_logprobs`` one ``{token: logprob}`` dict of ``logprobs``
+  alternatives per token), ``finish_reason`` and ``stop_reason``.
 * SGLang ``POST /generate`` with ``input_ids`` / ``sampling_params`` / ``return_logprob``;
   the response carries ``text``, ``output_ids`` and ``meta_info`` with ``finish_reason``
-  (``{"type": ..., "matched": ...}``) and ``output_token_logprobs`` (``[logprob, id, None]``).
+  (``{"type": ..., "matched": ...}``), ``output_token_logprobs`` (``[logprob, id, None]``) and,
+  with ``top_logprobs_num: n``, ``output_top_logprobs`` (per token, ``n`` such triples).
 * OpenAI ``POST /v1/chat/completions`` (messages rendered with the chat template), so that an agent
   can call the server directly (the proxy benchmark's baseline).
 
 What is generated is decided by a *policy* (a plain function of the prompt ids and the request's
-seed), so a run against it is deterministic. Faults are scripted on :class:`ServerScript`:
+seed), so a run against it is deterministic; so are the alternatives' log-probs (a hash of the
+prompt, or :attr:`ServerScript.top_logprobs`, which lets a test set each token's entropy). Faults are scripted on :class:`ServerScript`:
 text-only answers, a delay, and a queue of error statuses (500, 429 ...) served before real answers.
 The server runs in a background thread (:class:`ScriptedServer`) or as a subprocess
 (``python -m rollout.testing --port P``) so that its work does not share the client's GIL.
@@ -80,6 +83,10 @@ def make_test_tokenizer(vocab_size: int = 400) -> JinjaChatTokenizer:
 Policy = Callable[[list[int], dict[str, Any]], tuple[list[int], str]]
 """``policy(prompt_ids, request) -> (output_ids, finish_reason)``; ``request`` has ``seed``,
 ``max_tokens`` and ``temperature``. Logprobs are derived by the server from a hash."""
+
+TopLogprobs = Callable[[list[int], list[int], int], list[list[float]]]
+"""``top_logprobs(prompt_ids, output_ids, n) -> per output token, the log-probs of its n listed
+alternatives`` (the server labels them with distinct token ids, the sampled one first)."""
 
 
 def _h(*parts: Any) -> int:
@@ -184,6 +191,8 @@ class ServerScript:
       vllm_token_ids: honour ``return_token_ids`` (False mimics an older vLLM: ids only through
         ``return_tokens_as_token_ids``).
       max_inflight: the most requests seen in flight at once.
+      top_logprobs: the alternatives' log-probs answered when a request asks for them (vLLM
+        ``logprobs: n``, SGLang ``top_logprobs_num: n``); ``None``: a hash of prompt and output.
     """
 
     policy: Policy
@@ -193,6 +202,7 @@ class ServerScript:
     weight_version: str | None = None
     delay_queue: list[float] = dataclasses.field(default_factory=list)
     vllm_token_ids: bool = True
+    top_logprobs: TopLogprobs | None = None
     requests: int = 0
     inflight: int = 0
     max_inflight: int = 0
@@ -213,6 +223,23 @@ def _logprobs_for(prompt: Sequence[int], out: Sequence[int]) -> list[float]:
     return [-((_h(base, i, t) % 4000) / 1000.0 + 0.001) for i, t in enumerate(out)]
 
 
+def _hashed_top_logprobs(prompt: Sequence[int], out: Sequence[int], n: int) -> list[list[float]]:
+    """Default alternatives: per token, ``n`` descending log-probs derived from a hash."""
+    base = _h(len(prompt), tuple(prompt[-8:]), "top")
+    return [sorted((-((_h(base, i, t, j) % 6000) / 1000.0 + 0.001) for j in range(n)), reverse=True)
+            for i, t in enumerate(out)]
+
+
+def _alternatives(script: ServerScript, prompt: list[int], out: list[int], n: int,
+                  vocab: int) -> list[list[tuple[int, float]]]:
+    """Per output token, ``(token id, logprob)`` of its ``n`` alternatives (distinct ids, the sampled first)."""
+    fn = script.top_logprobs or _hashed_top_logprobs
+    rows = fn(list(prompt), list(out), n)
+    if len(rows) != len(out):
+        raise ValueError(f"top_logprobs gave {len(rows)} rows for {len(out)} tokens")
+    return [[((t + j) % vocab, float(lp)) for j, lp in enumerate(row)] for t, row in zip(out, rows)]
+
+
 def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
     """The Starlette app implementing ``/v1/completions``, ``/generate``, ``/v1/chat/completions``,
     ``/health`` and ``/script`` (set the delay)."""
@@ -220,6 +247,8 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
+
+    vocab = tokenizer.tokenizer.get_vocab_size()
 
     async def _common(prompt: Any, req: dict[str, Any]):
         fault, delay = script.next_fault()
@@ -263,8 +292,14 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
                     toks = [f"token_id:{t}" for t in out]
                 else:
                     toks = [tokenizer.tokenizer.id_to_token(t) or "" for t in out]
+                n = int(body["logprobs"])
+                tops = None
+                if n > 0:
+                    label = ((lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids")
+                             else (lambda t: tokenizer.tokenizer.id_to_token(t) or f"<{t}>"))
+                    tops = [{label(t): lp for t, lp in row} for row in _alternatives(script, prompt, out, n, vocab)]
                 choice["logprobs"] = {"text_offset": list(range(len(out))), "token_logprobs": lps,
-                                      "tokens": toks, "top_logprobs": None}
+                                      "tokens": toks, "top_logprobs": tops}
         return JSONResponse({
             "id": f"cmpl-{script.requests}", "object": "text_completion", "created": int(time.time()),
             "model": body.get("model", "scripted"), "choices": [choice],
@@ -297,6 +332,10 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
             meta["input_token_logprobs"] = []
+            n = int(body.get("top_logprobs_num") or 0)
+            if n > 0:
+                meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in row]
+                                               for row in _alternatives(script, prompt, out, n, vocab)]
         return JSONResponse({"text": text, "output_ids": out, "meta_info": meta})
 
     async def chat(request: Request):

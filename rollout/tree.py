@@ -1,25 +1,44 @@
-"""Group rollouts: flat GRPO, Tree-Random and PaTR over one machinery (layer 4).
+"""Group rollouts: flat GRPO / DAPO, Tree-Random, PaTR and ARPO over one machinery (layer 4).
 
-A *group* is every trajectory sampled for one task. All three strategies share the same loop:
+A *group* is every trajectory sampled for one task. All strategies share the same loop:
 
-    A <- B0 fresh branches (flat: G);  C <- {}
+    A <- B0 fresh branches (flat, dapo: G);  C <- {}
     while A is not empty (or, with refill, free slots remain):
-        advance every branch of A concurrently for up to K turns        (flat: until it ends)
+        advance every branch of A concurrently for up to K turns   (flat, dapo: until it ends; arpo: 1)
         move branches that ended (env done, max_turns, context full, theta-loop) to C
         if A is not empty (tree strategies only):
-            s_i = score(branch_i) in [0, 1]          (patr: branch scorer; tree_random: uniform)
-            E = the top_k branches by score that fit under max_branches
-            L = branches of A \\ E with s_i < median(s over A) - alpha    (pruned)
-            A <- (A \\ (E u L)) u {M children of each e in E};  C <- C u L
-        if A is empty, refill and max_branches - |C| > 0: branch again from the best-scored
-            checkpoint states seen so far (from the root if none), one slot at a time
+            tree_random / patr (a checkpoint):
+                (theta_at="checkpoint": branches of A whose last theta actions are identical -> C, "loop")
+                s_i = score(branch_i) in [0, 1]          (patr: branch scorer; tree_random: uniform)
+                E = the top_k branches by score that fit under max_branches
+                L = branches of A \\ E with s_i < median(s over A) - alpha    (pruned)
+                A <- (A \\ (E u L)) u {M children of each e in E};  C <- C u L
+            arpo (entropy-adaptive branching, after every turn = tool-call boundary):
+                for each branch b of A in order, while free slots remain:
+                    u ~ U(0, 1);  p = clip(u - w * (H_now(b) - H_init(b)), 0, 1)
+                    if p <= branch_probability: add min(beam_size - 1, free) children of b to A
+        if A is empty, refill and max_branches - |C| > 0:
+            tree_random / patr: branch again from the best-scored checkpoint states seen so far
+                (from the root if none), one slot at a time (up to B0 at once)
+            arpo: restart one branch from the root (ARPO restarts a finished sample from its prompt)
 
 ``max_branches`` is a hard cap on live + finished branches, so with refill a tree group has exactly
 ``max_branches`` trajectories, the same budget as a flat group of that size (dead slots left by
-branches that fell into holes early are refilled rather than lost). A branch whose last ``theta``
-actions are identical is stopped right after that turn (the paper's Theta rule; checked every
-turn so that a loop does not burn the rest of an interval). Pruned and loop-stopped branches stay
-in the group as negatives under ``group_mode="keep_all"`` and are dropped under ``"best_n"``.
+branches that fell into holes early are refilled rather than lost). ``"dapo"`` rolls out exactly
+like ``"flat"`` (DAPO's dynamic sampling and overlong shaping live in the trainer).
+
+Theta rule: with ``theta_at="turn"`` (default) a branch whose last ``theta`` actions are identical
+is stopped right after that turn, for every strategy (so that a loop does not burn the rest of an
+interval); with ``theta_at="checkpoint"`` (the PaTR paper) the rule is checked only among the
+active branches at a tree checkpoint, just before scoring, so flat / dapo / arpo groups never
+loop-stop. Pruned and loop-stopped branches stay in the group as negatives under
+``group_mode="keep_all"`` and are dropped under ``"best_n"``.
+
+ARPO's entropy of a turn is the mean of the per-token entropies of its response's first
+``arpo_entropy_tokens`` tokens (:attr:`rollout.client.Generated.entropies`, the top
+``arpo_top_logprobs`` distribution renormalised; arpo requests ask for them); ``H_init`` is the
+entropy of the first turn of a branch's lineage (children inherit it). The ``u`` draws come from a
+generator seeded by (config seed, group seed, round index).
 
 Children copy the parent's token prefix, messages and env state (``env.clone()``); all requests of a
 group use one sticky route key, so a server with prefix caching sees siblings' shared prefixes.
@@ -35,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import statistics
 import time
 import zlib
@@ -44,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
-from rollout.client import GenerationClient, SamplingParams
+from rollout.client import MAX_TOP_LOGPROBS, Generated, GenerationClient, SamplingParams
 from rollout.envs.base import Env
 from rollout.types import Interaction, InteractionTree, branch_messages
 from scorers import BaseScorer, ScoringRejected, score_branch
@@ -61,11 +81,16 @@ __all__ = [
     "run_group",
     "run_groups",
     "STRATEGIES",
+    "FLAT_STRATEGIES",
     "GROUP_MODES",
+    "THETA_AT",
 ]
 
-STRATEGIES = ("flat", "tree_random", "patr")
+STRATEGIES = ("flat", "tree_random", "patr", "arpo", "dapo")
+FLAT_STRATEGIES = ("flat", "dapo")  # independent samples, no tree
+SCORED_STRATEGIES = ("tree_random", "patr")  # trees with checkpoints
 GROUP_MODES = ("keep_all", "best_n")
+THETA_AT = ("turn", "checkpoint")
 DROPPED_UNDER_BEST_N = ("pruned", "loop")
 
 
@@ -89,17 +114,26 @@ class TreeConfig:
     """How one group is rolled out.
 
     Attributes:
-      strategy: ``"flat"`` (``group_size`` independent samples), ``"tree_random"`` (random scores)
-        or ``"patr"`` (branch scorer).
-      group_size: flat group size G.
+      strategy: ``"flat"`` (``group_size`` independent samples), ``"dapo"`` (rolled out as flat),
+        ``"tree_random"`` (random scores), ``"patr"`` (branch scorer) or ``"arpo"`` (entropy-adaptive
+        branching after every turn; needs ``max_branches``).
+      group_size: flat / dapo group size G.
       b0: initial branches of a tree. k: turns between checkpoints. m: children per expansion.
       top_k: branches expanded per checkpoint. alpha: prune margin below the median score.
       theta: identical consecutive actions that stop a branch (``None``: never). The action is the
         env's ``info["action"]`` (FrozenLake: the parsed move, ``None`` for an invalid answer, so
         repeated invalid answers count as a loop too), else the stripped answer text.
+      theta_at: ``"turn"`` (check the theta rule after every turn, every strategy) or
+        ``"checkpoint"`` (only among the active branches at a tree checkpoint, before scoring).
       max_turns: turns per trajectory.
       max_branches: hard cap on live + finished branches of a tree (``None``: no cap).
-      refill: when every branch has ended and slots are free, branch again (see module doc).
+      refill: when every branch has ended and slots are free, branch again (see module doc; arpo:
+        restart from the root, one branch per round).
+      beam_size: arpo: a branching branch adds ``beam_size - 1`` copies (within the budget).
+      arpo_entropy_weight: arpo: ``w`` in ``p = clip(u - w * (H_now - H_init), 0, 1)``.
+      arpo_branch_probability: arpo: fork when ``p <=`` this.
+      arpo_top_logprobs: arpo: alternatives per token requested for the entropy (1..20).
+      arpo_entropy_tokens: arpo: a turn's entropy is the mean over its first this-many tokens.
       group_mode: ``"keep_all"`` or ``"best_n"`` (drop pruned and loop-stopped branches).
       sampling: request sampling options (the seed is set per request).
       max_context_tokens: stop a branch whose next prompt plus ``max_tokens`` would exceed this.
@@ -119,6 +153,12 @@ class TreeConfig:
     max_branches: int | None = 8
     refill: bool = True
     group_mode: str = "keep_all"
+    theta_at: str = "turn"
+    beam_size: int = 2
+    arpo_entropy_weight: float = 0.2
+    arpo_branch_probability: float = 0.5
+    arpo_top_logprobs: int = 20
+    arpo_entropy_tokens: int = 20
     sampling: SamplingParams = SamplingParams()
     max_context_tokens: int | None = None
     seed: int = 0
@@ -133,19 +173,42 @@ class TreeConfig:
         for name in ("group_size", "b0", "k", "m", "top_k", "max_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; must be >= 1")
-        if self.m < 2 and self.strategy != "flat":
+        if self.m < 2 and self.strategy in SCORED_STRATEGIES:
             raise ValueError(f"m={self.m}; an expansion needs at least 2 children")
         if self.theta is not None and self.theta < 2:
             raise ValueError(f"theta={self.theta}; must be >= 2 or None")
-        if self.max_branches is not None and self.max_branches < self.b0 and self.strategy != "flat":
+        if self.theta_at not in THETA_AT:
+            raise ValueError(f"theta_at={self.theta_at!r}; allowed: {THETA_AT}")
+        if self.max_branches is not None and self.max_branches < self.b0 and self.tree_mode:
             raise ValueError(f"max_branches={self.max_branches} < b0={self.b0}")
+        if self.strategy == "arpo" and self.max_branches is None:
+            raise ValueError("strategy 'arpo' needs max_branches (its branching budget)")
         if self.alpha < 0:
             raise ValueError(f"alpha={self.alpha}; must be >= 0")
+        self._check_arpo()
+
+    def _check_arpo(self) -> None:
+        """Validate the ARPO fields (whatever the strategy, so that a bad config fails early)."""
+        if self.beam_size < 2:
+            raise ValueError(f"beam_size={self.beam_size}; must be >= 2 (one copy per branching)")
+        if not self.arpo_entropy_weight >= 0:
+            raise ValueError(f"arpo_entropy_weight={self.arpo_entropy_weight}; must be >= 0")
+        if not 0 <= self.arpo_branch_probability <= 1:
+            raise ValueError(f"arpo_branch_probability={self.arpo_branch_probability}; must be in [0, 1]")
+        if not 1 <= self.arpo_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"arpo_top_logprobs={self.arpo_top_logprobs}; must be in [1, {MAX_TOP_LOGPROBS}]")
+        if self.arpo_entropy_tokens < 1:
+            raise ValueError(f"arpo_entropy_tokens={self.arpo_entropy_tokens}; must be >= 1")
+
+    @property
+    def tree_mode(self) -> bool:
+        """Whether groups are trees (every strategy but flat and dapo)."""
+        return self.strategy not in FLAT_STRATEGIES
 
     @property
     def target_size(self) -> int | None:
-        """Trajectories per group when every slot is used (flat: G; tree with refill: cap)."""
-        if self.strategy == "flat":
+        """Trajectories per group when every slot is used (flat, dapo: G; tree with refill: cap)."""
+        if not self.tree_mode:
             return self.group_size
         return self.max_branches if self.refill else None
 
@@ -170,6 +233,10 @@ class LeafRecord:
 
 @dataclasses.dataclass
 class CheckpointStats:
+    """One tree_random / patr checkpoint: branches active there, their scores and what became of
+    them (``loop_stopped``: stopped there by the theta rule under ``theta_at="checkpoint"``, before
+    scoring; ``active`` counts them, ``scores`` does not)."""
+
     index: int
     active: int
     scores: list[float]
@@ -177,6 +244,7 @@ class CheckpointStats:
     children: int
     pruned: int
     survived: int
+    loop_stopped: int = 0
 
 
 @dataclasses.dataclass
@@ -201,6 +269,8 @@ class GroupStats:
     prompt_tokens: int = 0
     cache_reusable_tokens: int = 0  # prompt tokens an ideal prefix cache already holds
     sibling_shared_tokens: int = 0  # of those, the ones only a sibling's request put there
+    branch_decisions: int = 0  # arpo: u draws (one per live branch per round while slots remained)
+    entropy_mean: float | None = None  # arpo: mean turn entropy over the group's turns (nats)
     wall_s: float = 0.0
     http_s: float = 0.0
     overhead_s: float = 0.0  # synchronous rollout work per turn (template diff, env, bookkeeping)
@@ -244,11 +314,24 @@ class _Branch:
     status: str | None = None
     score: float | None = None
     truncated: bool = False
+    h_init: float | None = None  # arpo: entropy of the lineage's first turn
+    h_now: float | None = None  # arpo: entropy of the last turn
 
     def fork(self, new_id: str, origin: str) -> _Branch:
         return _Branch(id=new_id, env=self.env.clone(), messages=list(self.messages), prompt=list(self.prompt),
                        last_id=self.last_id, depth=self.depth, actions=list(self.actions), reward=self.reward,
-                       origin=origin, lineage_len=self.lineage_len, score=self.score)
+                       origin=origin, lineage_len=self.lineage_len, score=self.score, h_init=self.h_init,
+                       h_now=self.h_now)
+
+    def loops(self, theta: int | None) -> bool:
+        """Whether the last ``theta`` actions are identical (the theta rule; ``None``: never)."""
+        return theta is not None and len(self.actions) >= theta and len(set(map(repr, self.actions[-theta:]))) == 1
+
+    def entropy_delta(self) -> float:
+        """``H_now - H_init`` (0 when either is unknown)."""
+        if self.h_now is None or self.h_init is None:
+            return 0.0
+        return self.h_now - self.h_init
 
 
 def request_seed(*parts: Any) -> int:
@@ -285,6 +368,10 @@ class _GroupRun:
         self._n_branches = 0
         self._sent_from: set[str | None] = set()
         self._root: _Branch | None = None
+        self._arpo = config.strategy == "arpo"
+        self._sampling = (dataclasses.replace(config.sampling, top_logprobs=config.arpo_top_logprobs)
+                          if self._arpo else config.sampling)
+        self._entropies: list[float] = []  # arpo: every turn's entropy
 
     # ------------------------------------------------------------------ branches
 
@@ -319,7 +406,7 @@ class _GroupRun:
 
     async def _turn(self, b: _Branch) -> None:
         cfg = self.cfg
-        params = dataclasses.replace(cfg.sampling, seed=_seed(cfg.seed, self.group_seed, b.id, b.depth))
+        params = dataclasses.replace(self._sampling, seed=_seed(cfg.seed, self.group_seed, b.id, b.depth))
         # Prefix-cache accounting: identical prompts share their parent interaction id.
         plen = len(b.prompt)
         if b.last_id in self._sent_from and plen > b.lineage_len:
@@ -338,6 +425,8 @@ class _GroupRun:
         self.stats.generated_tokens += resp.output_len
         self.stats.prompt_tokens += plen
         self.stats.http_s += gen.http_s
+        if self._arpo:
+            self._record_entropy(b, gen)
         t1 = time.perf_counter()
         step = await asyncio.wait_for(b.env.step(text), cfg.env_timeout_s)
         t2 = time.perf_counter()
@@ -362,7 +451,7 @@ class _GroupRun:
                 b.status = "invalid" if step.info.get("valid") is False else "done"
         elif b.depth >= cfg.max_turns:
             b.status = "max_turns"
-        elif cfg.theta is not None and len(b.actions) >= cfg.theta and len(set(map(repr, b.actions[-cfg.theta:]))) == 1:
+        elif cfg.theta_at == "turn" and b.loops(cfg.theta):
             b.status = "loop"
         else:
             new_msgs = [{"role": step.role, "content": step.observation}]
@@ -374,6 +463,21 @@ class _GroupRun:
             if cfg.max_context_tokens is not None and len(new_prompt) + cfg.sampling.max_tokens > cfg.max_context_tokens:
                 b.status = "context"
         self.stats.overhead_s += (t1 - t0) + (time.perf_counter() - t2) + gen.client_s
+
+    def _record_entropy(self, b: _Branch, gen: Generated) -> None:
+        """arpo: the turn's entropy (mean over its first ``arpo_entropy_tokens`` tokens) becomes
+        ``b.h_now``, and ``b.h_init`` when it is the lineage's first."""
+        if gen.entropies is None:
+            raise RolloutError(f"group {self.key!r}: strategy 'arpo' needs per-token entropies, but the server "
+                               "answered without top logprobs (vLLM logprobs: n / SGLang top_logprobs_num)")
+        head = [h for h in gen.entropies[: self.cfg.arpo_entropy_tokens] if math.isfinite(h)]
+        if not head:  # no alternatives listed: no entropy signal for this turn
+            b.h_now = None
+            return
+        b.h_now = sum(head) / len(head)
+        self._entropies.append(b.h_now)
+        if b.h_init is None:
+            b.h_init = b.h_now
 
     async def _advance(self, b: _Branch, turns: int) -> None:
         for _ in range(turns):
@@ -429,8 +533,25 @@ class _GroupRun:
                 self.stats.completed += 1
         return alive
 
+    def _stop_loops(self, active: list[_Branch]) -> list[_Branch]:
+        """theta_at="checkpoint": end the looping branches of ``active`` (status "loop"); the rest."""
+        for b in active:
+            if b.loops(self.cfg.theta):
+                b.status = "loop"
+        return self._collect(active)
+
     async def _checkpoint(self, active: list[_Branch], index: int) -> list[_Branch]:
         cfg = self.cfg
+        n_looped = 0
+        if cfg.theta_at == "checkpoint":
+            n_before = len(active)
+            active = self._stop_loops(active)
+            n_looped = n_before - len(active)
+            if not active:
+                self.stats.checkpoints.append(CheckpointStats(index=index, active=n_before, scores=[], expanded=0,
+                                                              children=0, pruned=0, survived=0,
+                                                              loop_stopped=n_looped))
+                return []
         scores = await self._scores(active, index)
         for b, s in zip(active, scores):
             b.score = s
@@ -461,11 +582,42 @@ class _GroupRun:
         self.stats.expanded += len(expand)
         self.stats.pruned += len(pruned)
         self.stats.checkpoints.append(CheckpointStats(
-            index=index, active=len(active), scores=list(scores), expanded=len(expand),
-            children=sum(n_children.values()), pruned=len(pruned), survived=len(active) - len(expand) - len(pruned)))
+            index=index, active=len(active) + n_looped, scores=list(scores), expanded=len(expand),
+            children=sum(n_children.values()), pruned=len(pruned), survived=len(active) - len(expand) - len(pruned),
+            loop_stopped=n_looped))
         return nxt
 
+    def _arpo_branch(self, live: list[_Branch], index: int) -> list[_Branch]:
+        """arpo, after round ``index``: each live branch in order, while slots remain, draws
+        ``u ~ U(0, 1)`` and forks ``min(beam_size - 1, free)`` children (placed right after it) when
+        ``clip(u - w * (H_now - H_init), 0, 1) <= arpo_branch_probability``."""
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.seed, self.group_seed, index])
+        free = int(self._free_slots(len(live)))
+        nxt: list[_Branch] = []
+        for b in live:
+            nxt.append(b)
+            if free <= 0:
+                continue
+            self.stats.branch_decisions += 1
+            p = min(max(float(rng.random()) - cfg.arpo_entropy_weight * b.entropy_delta(), 0.0), 1.0)
+            if p > cfg.arpo_branch_probability:
+                continue
+            n = min(cfg.beam_size - 1, free)
+            nxt.extend(self._fork(b, "child") for _ in range(n))
+            free -= n
+            self.stats.expanded += 1
+        return nxt
+
+    async def _between(self, active: list[_Branch], index: int) -> list[_Branch]:
+        """What a tree does with its live branches after an interval: arpo branches, the others checkpoint."""
+        if self._arpo:
+            return self._arpo_branch(active, index)
+        return await self._checkpoint(active, index)
+
     async def _refill(self) -> list[_Branch]:
+        if self._arpo:
+            return [await self._root_branch("refill")]
         free = int(self._free_slots(0))
         if not self.snapshots:
             return [await self._root_branch("refill") for _ in range(min(free, self.cfg.b0))]
@@ -476,23 +628,25 @@ class _GroupRun:
     async def run(self) -> GroupResult:
         cfg = self.cfg
         t_start = time.perf_counter()
-        tree_mode = cfg.strategy != "flat"
+        tree_mode = cfg.tree_mode
         n0 = cfg.b0 if tree_mode else cfg.group_size
         active = [await self._root_branch() for _ in range(n0)]
-        interval = cfg.k if tree_mode else cfg.max_turns
+        interval = (1 if self._arpo else cfg.k) if tree_mode else cfg.max_turns
         index = 0
         while True:
             if active:
                 await _gather([self._advance(b, interval) for b in active])
                 active = self._collect(active)
                 if active and tree_mode:
-                    active = await self._checkpoint(active, index)
+                    active = await self._between(active, index)
                     index += 1
             if not active:
                 if tree_mode and cfg.refill and cfg.max_branches is not None and self._free_slots(0) > 0:
                     active = await self._refill()
                     continue
                 break
+        if self._entropies:
+            self.stats.entropy_mean = sum(self._entropies) / len(self._entropies)
         self.stats.wall_s = time.perf_counter() - t_start
         all_leaves = [LeafRecord(leaf_id=b.last_id, branch_id=b.id, outcome_reward=b.reward, status=b.status,
                                  turns=b.depth, truncated=b.truncated, origin=b.origin, score=b.score)
@@ -519,6 +673,8 @@ async def run_group(task: Any, *, env_factory: Callable[[], Env], client: Genera
       scorer: the branch scorer (required for ``"patr"``): a ``scorers.BaseScorer`` whose reward for a
         partial branch's last turn (mean over its tokens) must lie in [0, 1]; scored through
         ``scorers.score_branch``, the same isolation and validation as export-time scoring.
+        Other strategies ignore it (``"arpo"`` branches on the server's token entropies instead, so
+        its server must answer top logprobs).
       group_seed: distinguishes groups (and steps) for per-request seeds.
       group_key: prefix of interaction ids and the route key; default ``f"g{group_seed}"``.
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jaxprm
-from jaxprm.train.config import TrainConfig
+from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
 from rollout.client import ClientConfig, SamplingParams
 from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
 from rollout.evaluate import EvalSettings
@@ -75,7 +75,10 @@ def tree_config(cfg: TrainConfig, *, max_context: int | None) -> TreeConfig:
     return TreeConfig(
         strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k, alpha=r.alpha,
         theta=r.theta, max_turns=cfg.env.max_turns, max_branches=r.max_branches or r.group_size,
-        refill=r.refill, group_mode=r.keep,
+        refill=r.refill, group_mode=r.keep, theta_at=r.theta_at,
+        beam_size=r.arpo.beam_size, arpo_entropy_weight=r.arpo.entropy_weight,
+        arpo_branch_probability=r.arpo.branch_probability, arpo_top_logprobs=r.arpo.top_logprobs,
+        arpo_entropy_tokens=r.arpo.entropy_tokens,
         sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
         max_context_tokens=max_context, seed=cfg.seed)
 
@@ -122,7 +125,7 @@ def row_capacity(cfg: TrainConfig, n_devices: int) -> int:
     """Fixed learner batch rows: ``ppo.max_rows`` or tasks x group budget, rounded up to a multiple
     of the minibatch count and the device count."""
     r = cfg.rollout
-    per_group = r.group_size if r.strategy == "flat" else (r.max_branches or r.group_size)
+    per_group = r.group_size if r.strategy in FLAT_STRATEGIES else (r.max_branches or r.group_size)
     cap = cfg.ppo.max_rows or r.tasks_per_step * per_group
     mult = math.lcm(cfg.ppo.num_minibatches, n_devices)
     return int(-(-cap // mult) * mult)

@@ -30,6 +30,8 @@ from jaxprm.train.schema import (  # noqa: F401  (the sections, re-exported: cal
     ModelConfig,
     ServerConfig,
     BranchScorerSpec,
+    ARPOConfig,
+    DAPOConfig,
     RolloutConfig,
     EnvConfig,
     AgentConfig,
@@ -48,11 +50,13 @@ from jaxprm.train.schema import (  # noqa: F401  (the sections, re-exported: cal
     TrainConfig,
 )
 from jaxprm.train.schema import __all__ as SCHEMA_NAMES
+from rollout.tree import FLAT_STRATEGIES
 from scorers import ScorerSpec as RunnerScorerSpec
 from scorers import check_scorer_specs, validate_prm_config
 
 __all__ = [
     "ConfigError",
+    "FLAT_STRATEGIES",
     *SCHEMA_NAMES,
     "load_config",
     "to_dict",
@@ -276,10 +280,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(0 < r.temperature <= 10, "rollout.temperature", f"must be in (0, 10], got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _check(r.top_k <= max(r.b0, 1) * 64, "rollout.top_k", "unreasonably large")
-    if r.strategy != "flat":
+    if r.strategy not in FLAT_STRATEGIES:
         budget = r.max_branches or r.group_size
         _check(budget >= r.b0, "rollout.max_branches", f"the branch budget ({budget}) must be >= rollout.b0 ({r.b0})")
     _positive(r, "rollout", "max_staleness", allow_zero=True)
+    _positive(r.arpo, "rollout.arpo", "entropy_weight", allow_zero=True)
+    _check(0 <= r.arpo.branch_probability <= 1, "rollout.arpo.branch_probability",
+           f"must be in [0, 1], got {r.arpo.branch_probability}")
+    _check(r.arpo.beam_size >= 2, "rollout.arpo.beam_size", f"must be >= 2 (one copy per branching), got {r.arpo.beam_size}")
+    _check(1 <= r.arpo.top_logprobs <= 20, "rollout.arpo.top_logprobs", f"must be in [1, 20], got {r.arpo.top_logprobs}")
+    _positive(r.arpo, "rollout.arpo", "entropy_tokens")
+    _positive(r.dapo, "rollout.dapo", "max_rounds")
+    _positive(r.dapo, "rollout.dapo", "overlong_factor", allow_zero=True)
+    if r.dapo.overlong_buffer is not None:
+        _check(0 <= r.dapo.overlong_buffer <= r.max_new_tokens, "rollout.dapo.overlong_buffer",
+               f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.dapo.overlong_buffer}")
     if r.asynchronous:
         _check(r.source == "tree", "rollout.asynchronous",
                "needs rollout.source=tree (the recording proxy's agents are rolled out step by step)")

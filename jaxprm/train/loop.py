@@ -55,11 +55,11 @@ from tqdm import tqdm
 
 import jaxprm
 from jaxprm.models import save_pretrained
-from jaxprm.train import adapters, multihost, plots
+from jaxprm.train import adapters, dapo, multihost, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
-from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache,
-                                      measured)
-from jaxprm.train.config import TrainConfig
+from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, PhaseTimes, Span,
+                                      enable_persistent_cache, measured)
+from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.overlap import RolloutProducer, drop_stale, group_version
 from jaxprm.train.packed import learn_packed
@@ -78,6 +78,20 @@ from rollout.tree import GroupRejected, RolloutError, run_groups
 from scorers import PRMRunner
 
 __all__ = ["TrainError", "Summary", "train"]
+
+
+def _summed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Row stats of several rounds (or processes): integer counters add up, means are averaged."""
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        vals = [p[k] for p in parts if k in p]
+        out[k] = sum(vals) if all(isinstance(v, int) for v in vals) else float(np.mean(vals))
+    return out
+
+
+def _summed_spans(spans: list[Span]) -> Span:
+    """One span for phases run in several rounds (their wall and compile seconds added)."""
+    return Span(wall=sum(s.wall for s in spans), compile=sum(s.compile for s in spans))
 
 
 @dataclasses.dataclass
@@ -404,31 +418,67 @@ class _Job:
         self.consumed_pos = c.data_pos
         return await self._finish_step(step, c.row, t0, c.rollout, (*spans, learning))
 
-    async def collect(self, step: int, scorer, *, timed: bool = True) -> _Collected:
-        """Rollout -> scoring -> filter for step ``step`` (``timed``: as phases of the run; the
-        asynchronous producer's overlap them and are measured only)."""
+    async def _collect_round(self, step: int, rnd: int, scorer, phase):
+        """One round of a step's rollouts: the next ``tasks_per_step`` tasks rolled out (this
+        process's share), overlong shaping, process rewards and the filter, gathered over the
+        processes. Returns ``(groups, kept, rewards, rejected, stats, groups per process, rollout span,
+        scoring span)``."""
         cfg = self.cfg
-        phase = self.times.phase if timed else (lambda name: measured())
-        served = self.gen.version  # the weights the server has as the rollouts start
         # every process takes the same tasks and rolls out its share (all of them in one process);
         # group i of the step keeps its seed whichever process runs it
         offset, tasks = multihost.process_share(self.stream.take(cfg.rollout.tasks_per_step))
-        data_pos = self.stream.pos
         branch_rejected: list[GroupRejected] = []
         with phase("rollout") as rollout:
             groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
                                       prompts=self.gen.prompts,
                                       config=adapters.tree_config(cfg, max_context=self.gen.max_context),
-                                      scorer=scorer, group_seed=step * 10_000 + offset, rejected=branch_rejected)
+                                      scorer=scorer, rejected=branch_rejected,
+                                      group_seed=step * 10_000 + rnd * cfg.rollout.tasks_per_step + offset)
+            groups, stats = dapo.shape_overlong(groups, cfg.rollout.max_new_tokens, dapo.overlong_buffer(cfg),
+                                                cfg.rollout.dapo.overlong_factor)
         with phase("score") as scoring:
             scored = await score_groups(self.prm, groups) if self.prm is not None else None
+            split = [len(groups)]
             if self.multi:  # every process gets every process's groups (and scoring), in task order
-                parts = multihost.allgather_objects((groups, branch_rejected, scored))
+                parts = multihost.allgather_objects((groups, branch_rejected, scored, stats))
                 groups = [g for p in parts for g in p[0]]
                 branch_rejected = [r for p in parts for r in p[1]]
                 scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
-                process_groups = [len(p[0]) for p in parts]
+                split = [len(p[0]) for p in parts]
+                stats = _summed_stats([p[3] for p in parts])
             kept, rewards, fstats = await self.score(groups, scored)
+        return groups, kept, rewards, branch_rejected, {**stats, **fstats}, split, rollout, scoring
+
+    async def collect(self, step: int, scorer, *, timed: bool = True) -> _Collected:
+        """Rollout -> scoring -> filter for step ``step`` (``timed``: as phases of the run; the
+        asynchronous producer's overlap them and are measured only). With dynamic sampling (DAPO)
+        groups of equal outcome rewards are dropped and more tasks rolled out, up to
+        ``rollout.dapo.max_rounds`` rounds of ``tasks_per_step``; the row counts every round."""
+        cfg = self.cfg
+        phase = self.times.phase if timed else (lambda name: measured())
+        served = self.gen.version  # the weights the server has as the rollouts start
+        dynamic = dapo.dynamic_sampling(cfg)
+        want = cfg.rollout.tasks_per_step
+        groups, kept, rewards, branch_rejected, rounds = [], [], [], [], []
+        while not rounds or (dynamic and len(kept) < want and len(rounds) < cfg.rollout.dapo.max_rounds):
+            r_groups, r_kept, r_rewards, r_rejected, r_stats, r_split, r_roll, r_score = await self._collect_round(
+                step, len(rounds), scorer, phase)
+            groups += r_groups
+            branch_rejected += r_rejected
+            if dynamic:
+                mixed = [i for i, g in enumerate(r_kept) if dapo.is_mixed(g)]
+                r_stats["dynamic_dropped_groups"] = len(r_kept) - len(mixed)
+                r_kept, r_rewards = [r_kept[i] for i in mixed], [r_rewards[i] for i in mixed]
+            kept += r_kept
+            rewards += r_rewards
+            rounds.append((r_stats, r_split, r_roll, r_score))
+        fstats = _summed_stats([r[0] for r in rounds])
+        process_groups = [sum(parts) for parts in zip(*(r[1] for r in rounds))]
+        rollout, scoring = _summed_spans([r[2] for r in rounds]), _summed_spans([r[3] for r in rounds])
+        if dynamic:
+            kept, rewards = kept[:want], rewards[:want]
+            fstats["dynamic_rounds"] = len(rounds)
+        data_pos = self.stream.pos
         for r in branch_rejected:
             self.log(f"branch scorer rejected group {r.group_key}: {r}")
         desc = describe_groups(groups)
@@ -480,7 +530,7 @@ class _Job:
 
     def _keep_example_tree(self, groups) -> None:
         """Remember the group with the most checkpoint activity so far, for the PaTR tree plot."""
-        if self.cfg.rollout.strategy == "flat" or not groups:
+        if self.cfg.rollout.strategy in FLAT_STRATEGIES or not groups:
             return
         activity = lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes)  # noqa: E731
         cand = max(groups, key=activity)

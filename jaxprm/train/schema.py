@@ -15,6 +15,8 @@ __all__ = [
     "ModelConfig",
     "ServerConfig",
     "BranchScorerSpec",
+    "ARPOConfig",
+    "DAPOConfig",
     "RolloutConfig",
     "EnvConfig",
     "AgentConfig",
@@ -93,6 +95,40 @@ class BranchScorerSpec:
 
 
 @dataclasses.dataclass
+class ARPOConfig:
+    """``rollout.strategy: arpo`` (ARPO's entropy-adaptive branching; the published script's values:
+    entropy_weight 0.2, branch_probability 0.5, beam_size 2, entropy over the first 20 tokens of the
+    top-20 distribution). After every turn a live branch forks one copy when
+    ``clip(u - entropy_weight * (H_now - H_init), 0, 1) <= branch_probability`` (``u ~ U(0, 1)``,
+    ``H_init`` the entropy of its lineage's first turn) while the group budget lasts; ``b0`` roots."""
+
+    entropy_weight: float = 0.2
+    branch_probability: float = 0.5
+    beam_size: int = 2
+    top_logprobs: int = 20
+    entropy_tokens: int = 20
+
+
+@dataclasses.dataclass
+class DAPOConfig:
+    """DAPO's rollout-side pieces (its clip-higher and token-level loss are ``ppo.eps_clip_higher``
+    and ``ppo.agg``, on by default for every strategy).
+
+    ``dynamic_sampling`` (null: on for ``rollout.strategy: dapo`` only): groups whose trajectories
+    all succeed or all fail are dropped and more tasks are rolled out, ``tasks_per_step`` at a time
+    for at most ``max_rounds`` rounds, until ``tasks_per_step`` groups remain (the surplus is cut;
+    fewer when the rounds run out). ``overlong_buffer`` (null: ``max_new_tokens // 4`` for ``dapo``,
+    off otherwise; 0: off): DAPO's soft overlong punishment, applied to a trajectory by its longest
+    turn ``L`` of at most ``L_max = max_new_tokens`` tokens:
+    ``-factor * clip((L - (L_max - buffer)) / buffer, 0, 1)``."""
+
+    dynamic_sampling: bool | None = None
+    max_rounds: int = 3
+    overlong_buffer: int | None = None
+    overlong_factor: float = 1.0
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step.
 
@@ -134,6 +170,12 @@ class RolloutConfig:
     # ppo.decoupled, which corrects for the staleness. max_staleness 0 is the synchronous loop.
     asynchronous: bool = False
     max_staleness: int = 1
+    # the loop stop (theta identical actions): "turn" (default) checks it after every turn of every
+    # strategy, flat included, so a loop does not burn the rest of an interval; "checkpoint" is the
+    # PaTR paper's rule (checked at tree checkpoints only; flat groups never loop-stop)
+    theta_at: Literal["turn", "checkpoint"] = "turn"
+    arpo: ARPOConfig = dataclasses.field(default_factory=lambda: ARPOConfig())
+    dapo: DAPOConfig = dataclasses.field(default_factory=lambda: DAPOConfig())
 
 
 @dataclasses.dataclass

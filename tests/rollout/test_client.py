@@ -11,7 +11,14 @@ import warnings
 import numpy as np
 import pytest
 
-from rollout.client import ClientConfig, GenerationClient, GenerationError, SamplingParams, TextOnlyResponseError
+from rollout.client import (
+    ClientConfig,
+    GenerationClient,
+    GenerationError,
+    SamplingParams,
+    TextOnlyResponseError,
+    top_entropies,
+)
 from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
 
 PARAMS = SamplingParams(max_tokens=32, seed=7)
@@ -168,6 +175,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert ClientConfig(endpoints="http://x/").endpoints == ("http://x",)
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            SamplingParams(top_logprobs=bad)
 
 
 def test_cancellation_releases_everything(serve, tok):
@@ -397,3 +407,70 @@ def test_probe_tells_a_server_that_does_not_answer_from_one_that_refuses_token_i
     assert "does not accept" not in str(info.value)
     with pytest.raises(GenerationError, match="does not accept token-in/token-out requests"):
         run(probe(refusing.url))
+
+
+# ---------------------------------------------------------------------------- top logprobs, entropy
+
+
+def _entropy64(lps):
+    lps = np.asarray(lps, dtype=np.float64)
+    p = np.exp(lps) / np.exp(lps).sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _tops_by_position(prompt, out, n):
+    """Token i's alternatives: n log-probs whose spread shrinks with i (rising entropy)."""
+    return [[-(j * 3.0 / (1 + i)) - 0.1 * j * j for j in range(n)] for i in range(len(out))]
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+@pytest.mark.parametrize("n", [1, 5, 20])
+def test_entropies_of_the_top_n_alternatives(serve, tok, dialect, n):
+    script = ServerScript(policy=fixed_text_policy(tok, "```Left``` and more"), top_logprobs=_tops_by_position)
+    srv = serve(script)
+    prompt = tok.encode("entropy please")
+    gen, _ = run(_one(srv.url, dialect, prompt, SamplingParams(max_tokens=32, seed=7, top_logprobs=n)))
+    out = list(gen.response.output_tokens)
+    want = [_entropy64(row) for row in _tops_by_position(prompt, out, n)]
+    assert gen.entropies is not None and len(gen.entropies) == len(out) > 3
+    np.testing.assert_allclose(gen.entropies, want, rtol=1e-12, atol=1e-12)
+    if n > 1:
+        assert all(a < b for a, b in zip(gen.entropies, gen.entropies[1:]))  # the script's rising spread
+    else:
+        assert gen.entropies == [0.0] * len(out)
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_entropies_absent_unless_requested(serve, tok, dialect):
+    srv = serve(ServerScript(policy=fixed_text_policy(tok, "```Up```"), top_logprobs=_tops_by_position))
+    gen, _ = run(_one(srv.url, dialect, [3, 4, 5]))
+    assert gen.entropies is None
+
+
+def test_payload_asks_for_top_logprobs_in_both_dialects():
+    p = SamplingParams(top_logprobs=7)
+    vllm = GenerationClient(ClientConfig(endpoints=("http://x",)))
+    sgl = GenerationClient(ClientConfig(endpoints=("http://x",), dialect="sglang"))
+    assert vllm._payload([1], p)[1]["logprobs"] == 7 and vllm._payload([1], SamplingParams())[1]["logprobs"] == 1
+    body = sgl._payload([1], p)[1]
+    assert body["top_logprobs_num"] == 7 and body["return_logprob"] is True
+    assert "top_logprobs_num" not in sgl._payload([1], SamplingParams())[1]
+
+
+def test_entropy_parsing_of_real_server_shapes():
+    """vLLM's dicts (with None entries and -inf alternatives) and SGLang's triples (None rows)."""
+    from rollout.client import _parse_sglang, _parse_vllm
+
+    tops = [{"token_id:1": -0.1, "token_id:7": -2.5, "token_id:9": float("-inf")}, None]
+    data = {"choices": [{"text": "x", "token_ids": [1, 2], "finish_reason": "stop",
+                         "logprobs": {"token_logprobs": [-0.1, -0.3], "tokens": ["token_id:1", "token_id:2"],
+                                      "top_logprobs": tops}}]}
+    got = _parse_vllm(data, require_tokens=True, top_n=3)[6]
+    h = top_entropies(got)
+    assert h[0] == pytest.approx(_entropy64([-0.1, -2.5]), abs=1e-12) and np.isnan(h[1])
+    assert _parse_vllm(data, require_tokens=True)[6] is None  # not asked for: not parsed
+    sdata = {"text": "x", "output_ids": [1, 2], "meta_info": {
+        "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.1, 1, None], [-0.3, 2, None]],
+        "output_top_logprobs": [[[-0.1, 1, None], [-1.0, 4, None]], None]}}
+    h = top_entropies(_parse_sglang(sdata, require_tokens=True, top_n=2)[6])
+    assert h[0] == pytest.approx(_entropy64([-0.1, -1.0]), abs=1e-12) and np.isnan(h[1])

@@ -176,7 +176,7 @@ def test_refill_branches_again_from_best_checkpoint_state(serve, prompts):
     assert parents == {"b2", "b3"}  # the two best checkpoint states
 
 
-@pytest.mark.parametrize("strategy,size", [("flat", 6), ("tree_random", 8), ("patr", 8)])
+@pytest.mark.parametrize("strategy,size", [("flat", 6), ("dapo", 6), ("tree_random", 8), ("patr", 8), ("arpo", 8)])
 def test_group_sizes_match_config(serve, tok, prompts, strategy, size):
     from rollout.testing import frozenlake_policy
 
@@ -403,6 +403,23 @@ def test_config_validation():
         TreeConfig(theta=1)
     assert TreeConfig(strategy="flat", group_size=5).target_size == 5
     assert TreeConfig(max_branches=8).target_size == 8
+    for bad, match in [(dict(theta_at="interval"), "theta_at"), (dict(beam_size=1), "beam_size"),
+                       (dict(arpo_entropy_weight=-0.1), "arpo_entropy_weight"),
+                       (dict(arpo_entropy_weight=float("nan")), "arpo_entropy_weight"),
+                       (dict(arpo_branch_probability=1.5), "arpo_branch_probability"),
+                       (dict(arpo_branch_probability=-0.1), "arpo_branch_probability"),
+                       (dict(arpo_top_logprobs=0), "arpo_top_logprobs"), (dict(arpo_top_logprobs=21), "arpo_top_logprobs"),
+                       (dict(arpo_entropy_tokens=0), "arpo_entropy_tokens"),
+                       (dict(strategy="arpo", max_branches=None), "needs max_branches"),
+                       (dict(strategy="arpo", b0=4, max_branches=3), "max_branches")]:
+        with pytest.raises(ValueError, match=match):
+            TreeConfig(**bad)
+    # dapo is flat: no tree constraints, G trajectories; arpo is a tree: the budget
+    assert TreeConfig(strategy="dapo", group_size=5, m=1, b0=9, max_branches=3).target_size == 5
+    assert not TreeConfig(strategy="dapo").tree_mode and TreeConfig(strategy="arpo").tree_mode
+    assert TreeConfig(strategy="arpo", m=1, max_branches=6).target_size == 6
+    assert TreeConfig(strategy="arpo", refill=False).target_size is None
+    assert TreeConfig(theta_at="checkpoint", arpo_branch_probability=0.0, arpo_entropy_weight=0.0).theta_at == "checkpoint"
 
 
 def test_invalid_answers_are_counted_and_can_end_a_branch(serve, tok, prompts):
@@ -416,3 +433,194 @@ def test_invalid_answers_are_counted_and_can_end_a_branch(serve, tok, prompts):
     g = run(_group(srv.url, cfg, env_factory=ending, task=task, prompts=prompts))
     assert [(lf.status, lf.turns, lf.outcome_reward) for lf in g.leaves] == [("invalid", 1, 0.0)] * 2
     assert g.stats.invalid_actions == 2
+
+
+# ----------------------------------------------------------------------------------------- arpo
+
+PEAKED = [0.0] + [-30.0] * 19  # entropy ~ 0
+UNIFORM = [-1.0] * 20  # entropy log(20)
+
+
+def _turn_entropy_script(tok, *, first, later, **kw):
+    """A server whose alternatives are ``first`` on a branch's first turn (no observation in the
+    prompt yet) and ``later`` afterwards; StepEnv's observations read ``obs N``."""
+
+    def tops(prompt, out, n):
+        row = later if "obs " in tok.decode(prompt) else first
+        return [row[:n]] * len(out)
+
+    return ServerScript(policy=hashed_action_policy(tok), top_logprobs=tops, **kw)
+
+
+def _arpo(**kw):
+    base = dict(strategy="arpo", b0=4, max_branches=8, theta=None, max_turns=4, sampling=SAMPLING)
+    return TreeConfig(**{**base, **kw})
+
+
+def _first_own_turn(g, lf):
+    """The turn at which branch ``lf`` began generating (0 for a root; >= 1 for a child)."""
+    return min(int(it.id.split("/t")[-1]) for it in g.tree.branch(lf.leaf_id) if it.id.split("/")[1] == lf.branch_id)
+
+
+def test_arpo_branches_when_entropy_rises_not_when_it_falls(serve, tok, prompts):
+    rising = run(_group(serve(_turn_entropy_script(tok, first=PEAKED, later=UNIFORM)).url, _arpo(), prompts=prompts))
+    falling = run(_group(serve(_turn_entropy_script(tok, first=UNIFORM, later=PEAKED)).url, _arpo(), prompts=prompts))
+    for g in (rising, falling):
+        assert g.stats.leaves == len(g.all_leaves) == 8 and g.stats.branches_started == 8
+        assert g.stats.children == sum(lf.origin == "child" for lf in g.leaves)
+        assert g.stats.roots == 4 and g.stats.refills == 8 - 4 - g.stats.children
+        assert g.stats.branch_decisions >= g.stats.expanded == g.stats.children  # beam_size 2: one copy each
+    assert rising.stats.children > falling.stats.children
+    # rising: after the first turn (dH = 0, u <= 0.5 decides) every decision forks, until the budget is spent
+    assert rising.stats.refills == 0 and max(_first_own_turn(rising, lf) for lf in rising.leaves) >= 2
+    # falling: dH = -log(20) afterwards, p >= 0.6 > 0.5: only first-turn decisions ever fork
+    assert all(_first_own_turn(falling, lf) == 1 for lf in falling.leaves if lf.origin == "child")
+    assert rising.stats.entropy_mean > falling.stats.entropy_mean > 0
+    assert rising.stats.as_dict()["branch_decisions"] == rising.stats.branch_decisions
+
+
+def test_arpo_never_branches_at_probability_0_always_at_1(serve, tok, prompts):
+    srv = serve()
+    never = run(_group(srv.url, _arpo(arpo_entropy_weight=0.0, arpo_branch_probability=0.0), prompts=prompts))
+    assert never.stats.children == never.stats.expanded == 0 and never.stats.refills == 4
+    assert sorted(lf.origin for lf in never.leaves) == ["refill"] * 4 + ["root"] * 4
+    assert all(lf.status == "max_turns" and lf.turns == 4 for lf in never.leaves)
+    # probability 1: every live branch forks every round until the budget is spent (1 -> 2 -> 4 -> 8)
+    always = run(_group(srv.url, _arpo(b0=1, arpo_branch_probability=1.0), prompts=prompts))
+    assert (always.stats.children, always.stats.expanded, always.stats.refills, always.stats.leaves) == (7, 7, 0, 8)
+    assert sorted(_first_own_turn(always, lf) for lf in always.leaves) == [0, 1, 2, 2, 3, 3, 3, 3]
+    assert always.stats.branch_decisions == 1 + 2 + 4  # none once the budget is spent
+    # beam_size 3: each branching adds two copies (within the budget)
+    beam = run(_group(srv.url, _arpo(b0=1, beam_size=3, arpo_branch_probability=1.0), prompts=prompts))
+    assert (beam.stats.expanded, beam.stats.children, beam.stats.leaves) == (4, 7, 8)  # 1 -> 3 -> 8 (2, then 2 + 2 + 1)
+
+
+def test_arpo_restarts_from_the_root_when_every_branch_dies(serve, tok, prompts):
+    srv = serve(_turn_entropy_script(tok, first=PEAKED, later=UNIFORM))
+    g = run(_group(srv.url, _arpo(arpo_branch_probability=1.0), env_factory=lambda: StepEnv(end_at=1),
+                   prompts=prompts))
+    assert g.stats.leaves == 8 and g.stats.refills == 4 and g.stats.children == 0
+    assert sorted(lf.origin for lf in g.leaves) == ["refill"] * 4 + ["root"] * 4
+    assert all(lf.turns == 1 and lf.status == "success" for lf in g.leaves)
+    # a restarted root starts from the initial prompt (one new root per round)
+    firsts = [g.tree.branch(lf.leaf_id)[0] for lf in g.leaves]
+    assert len({tuple(it.model_response.input_tokens) for it in firsts}) == 1
+    # without refill no restart
+    g = run(_group(srv.url, _arpo(refill=False), env_factory=lambda: StepEnv(end_at=1), prompts=prompts))
+    assert g.stats.leaves == 4 and g.stats.refills == 0
+
+
+def test_arpo_children_extend_the_parent_prefix(serve, tok, prompts):
+    script = _turn_entropy_script(tok, first=PEAKED, later=UNIFORM, record_prompts=True)
+    srv = serve(script)
+    g = run(_group(srv.url, _arpo(b0=2, max_turns=5), prompts=prompts))
+    assert g.stats.children > 0
+    for lf in g.leaves:
+        chain = g.tree.branch(lf.leaf_id)
+        for prev, nxt in zip(chain, chain[1:]):
+            full = list(prev.model_response.input_tokens) + list(prev.model_response.output_tokens)
+            assert list(nxt.model_response.input_tokens[: len(full)]) == full
+    leaves = _by_branch(g)
+    for lf in g.leaves:
+        if lf.origin == "child":  # the child's first own request continues the parent's state after its turn
+            chain = g.tree.branch(lf.leaf_id)
+            j = _first_own_turn(g, lf)
+            assert chain[j - 1].id.split("/")[1] != lf.branch_id and chain[j].id.split("/")[1] == lf.branch_id
+            assert chain[j].parent_id == chain[j - 1].id
+    assert len(leaves) == 8
+    counts = {}
+    for p in script.prompts:  # a child and its parent send the same prompt right after the fork
+        counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+    assert max(counts.values()) >= 2
+
+
+def test_arpo_reproducible_against_deterministic_server(serve, prompts):
+    srv = serve()  # hashed alternatives: entropies vary with the prompt
+    cfg = _arpo(seed=3, max_turns=6)
+
+    def fingerprint(g):
+        return [(lf.branch_id, lf.origin, lf.status, tuple(g.tree.get(lf.leaf_id).model_response.output_tokens),
+                 len(g.tree.get(lf.leaf_id).model_response.input_tokens)) for lf in g.all_leaves]
+
+    a = run(_group(srv.url, cfg, prompts=prompts, seed=11))
+    b = run(_group(srv.url, cfg, prompts=prompts, seed=11))
+    c = run(_group(srv.url, cfg, prompts=prompts, seed=12))
+    assert fingerprint(a) == fingerprint(b) and a.stats.entropy_mean == b.stats.entropy_mean
+    assert (a.stats.children, a.stats.branch_decisions) == (b.stats.children, b.stats.branch_decisions)
+    assert fingerprint(a) != fingerprint(c)
+    assert a.stats.leaves == c.stats.leaves == 8
+
+
+def test_dapo_groups_equal_flat_groups(serve, tok, prompts):
+    from rollout.testing import frozenlake_policy
+
+    srv = serve(ServerScript(policy=frozenlake_policy(tok, p_good=0.5)))
+    task = make_tasks(4, 1, 0, sizes=(4,))[0][0]
+
+    def fingerprint(g):
+        return [(lf.branch_id, lf.status, lf.turns, lf.outcome_reward,
+                 [(it.id, tuple(it.model_response.input_tokens), tuple(it.model_response.output_tokens))
+                  for it in g.tree.branch(lf.leaf_id)]) for lf in g.all_leaves]
+
+    def counts(g):
+        d = g.stats.as_dict()
+        return {k: v for k, v in d.items() if k not in ("strategy", "wall_s", "http_s", "overhead_s")}
+
+    cfg = TreeConfig(strategy="flat", group_size=5, max_turns=6, theta=3, seed=2, sampling=SAMPLING)
+    flat = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts, seed=5))
+    dapo = run(_group(srv.url, dataclasses.replace(cfg, strategy="dapo"), env_factory=FrozenLakeEnv, task=task,
+                      prompts=prompts, seed=5))
+    assert fingerprint(flat) == fingerprint(dapo) and counts(flat) == counts(dapo)
+    assert dapo.stats.strategy == "dapo" and dapo.stats.leaves == 5 and not dapo.stats.checkpoints
+
+
+def test_theta_at_checkpoint(serve, tok, prompts):
+    srv = serve(ServerScript(policy=fixed_text_policy(tok, "```Left```")))
+    task = FrozenLakeTask(desc=("SFF", "FFF", "FFG"), max_turns=10)
+    base = dict(group_size=3, b0=3, k=5, theta=3, max_turns=10, max_branches=3, theta_at="checkpoint",
+                sampling=SAMPLING)
+    for strategy in ("flat", "dapo", "arpo"):  # no checkpoint: never loop-stopped
+        cfg = TreeConfig(strategy=strategy, **base)
+        g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, prompts=prompts))
+        assert [(lf.status, lf.turns) for lf in g.all_leaves] == [("max_turns", 10)] * 3, strategy
+        assert g.stats.loop_stopped == 0
+    cfg = TreeConfig(strategy="patr", **base)
+    scorer = TableScorer({})
+    g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, task=task, scorer=scorer, prompts=prompts))
+    # stopped at the first checkpoint (turn 5, not turn 3), before scoring
+    assert [(lf.status, lf.turns, lf.score) for lf in g.all_leaves] == [("loop", 5, None)] * 3
+    assert g.stats.loop_stopped == 3 and scorer.calls == [] and g.stats.expanded == 0
+    assert [(c.active, c.loop_stopped, c.scores) for c in g.stats.checkpoints] == [(3, 3, [])]
+    # the default checks every turn: stopped at turn 3
+    g = run(_group(srv.url, dataclasses.replace(cfg, theta_at="turn"), env_factory=FrozenLakeEnv, task=task,
+                   scorer=TableScorer({}), prompts=prompts))
+    assert [(lf.status, lf.turns) for lf in g.all_leaves] == [("loop", 3)] * 3
+
+
+def test_theta_at_checkpoint_spares_the_branches_that_do_not_loop(serve, prompts):
+    srv = serve()  # hashed actions: some branches loop, others not
+    cfg = TreeConfig(strategy="patr", b0=4, k=3, m=2, top_k=1, alpha=1.0, theta=2, max_turns=6, max_branches=None,
+                     refill=False, theta_at="checkpoint", sampling=SAMPLING)
+
+    class _Env(StepEnv):
+        """Action = the answer, so a branch loops when the policy repeats itself."""
+
+        async def step(self, text):
+            r = await super().step(text)
+            r.info["action"] = text.strip()
+            return r
+
+        def clone(self):
+            c = _Env(self.end_at)
+            c.turn = self.turn
+            return c
+
+    scorer = TableScorer({})
+    g = run(_group(srv.url, cfg, env_factory=_Env, scorer=scorer, prompts=prompts, seed=1))
+    first = g.stats.checkpoints[0]
+    looped = [lf for lf in g.all_leaves if lf.status == "loop"]
+    assert 0 < first.loop_stopped < 4  # (seed 1: mixed)
+    assert first.loop_stopped == sum(lf.turns == 3 for lf in looped) and first.active == 4
+    assert len(first.scores) == 4 - first.loop_stopped
+    assert {k[0] for k in scorer.calls if k[1] == 3}.isdisjoint({lf.branch_id for lf in looped if lf.turns == 3})
+    assert all(lf.turns % 3 == 0 for lf in looped)  # only ever stopped at a checkpoint

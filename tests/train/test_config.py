@@ -87,7 +87,7 @@ def test_file_then_overrides(tmp_path):
     [
         (["rolout.strategy=flat"], "did you mean 'rollout'"),
         (["rollout.strategey=flat"], "did you mean 'strategy'"),
-        (["rollout.strategy=patrr"], "allowed values: 'flat', 'tree_random', 'patr'; did you mean 'patr'"),
+        (["rollout.strategy=patrr"], "allowed values: 'flat', 'tree_random', 'patr', 'arpo', 'dapo'; did you mean 'patr'"),
         (["optimizer.lr=-1"], "optimizer.lr"),
         (["optimizer.lr=abc"], "optimizer.lr: expected a number"),
         (["steps=1.5"], "steps: expected an integer"),

@@ -1,0 +1,52 @@
+"""The baselines' strategies in real (tiny) training steps: DAPO's dynamic sampling and overlong
+shaping, ARPO's budget, and the paper-faithful PaTR mode (no refill, Theta at checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxprm.train.config import load_config
+from jaxprm.train.loop import train
+from jaxprm.train.rundir import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "env.train_tasks=32", "env.eval_tasks=2", "eval.num_tasks=2", "eval.samples=1", "eval.greedy=false",
+    "eval.at_start=false", "warm_start.enabled=false", "progress=false", "plots=false", "export_final=false",
+    "rollout.group_size=4", "rollout.b0=2", "rollout.top_k=1", "rollout.k=2", "env.max_turns=4",
+    "env.invalid_ends_episode=false", "rollout.tasks_per_step=3", "steps=1", "checkpoint.every_steps=100",
+]
+
+
+def _row(config: str, tmp_path: Path, *extra: str) -> dict:
+    cfg = load_config(ROOT / config, [*SMALL, f"run_dir={tmp_path / 'run'}", *extra])
+    summary = train(cfg)
+    (row,) = [r for r in read_metrics(Path(summary.run_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    return row
+
+
+def test_dapo_keeps_only_mixed_groups_and_rolls_out_again_until_the_batch_is_full(tmp_path):
+    row = _row("configs/dapo.yaml", tmp_path, "rollout.temperature=2.0")
+    rounds, want = row["dynamic_rounds"], 3
+    assert 1 <= rounds <= 3
+    rolled = rounds * want
+    assert row["trajectories"] == rolled * 4  # every round's groups are counted in the row
+    mixed = round(row["mixed_groups"] * rolled)
+    assert row["kept_groups"] == min(want, mixed)
+    assert row["dynamic_dropped_groups"] == rolled - mixed
+    assert rounds == 3 or row["kept_groups"] == want  # it stops early only with a full batch
+    assert 0 <= row["overlong_punished"] <= 1 and row["overlong_penalty_mean"] <= 0
+
+
+def test_arpo_spends_exactly_the_group_budget(tmp_path):
+    row = _row("configs/arpo.yaml", tmp_path, "rollout.max_branches=4")
+    assert row["trajectories"] == 3 * 4
+    assert "expanded" in row
+
+
+def test_the_paper_faithful_patr_never_refills(tmp_path):
+    row = _row("configs/patr_paper.yaml", tmp_path)
+    assert row["refills"] == 0
+    assert row["trajectories"] <= 3 * (2 + 1)  # b0 roots, one expanded into 2 at the one checkpoint of 4 turns
