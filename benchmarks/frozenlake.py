@@ -118,7 +118,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
         print(f"  {variant} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
     rows = _rows(run_dir)
     ev = [r for r in rows if r["kind"] == "eval"]
-    tr = [r for r in rows if r["kind"] == "train" and not r.get("skipped_rollout")]
+    tr = [r for r in rows if r["kind"] == "train"]
     mean = lambda key: float(np.mean([r.get(key, 0) for r in tr])) if tr else 0.0  # noqa: E731
     return {
         "tasks_per_step": tasks,
