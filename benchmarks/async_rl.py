@@ -132,17 +132,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--external", action="store_true", help="also against a separate server process")
     ap.add_argument("--external-seeds", type=int, nargs="+", default=None,
                     help="the seeds of the external-server runs (default: --seeds)")
+    ap.add_argument("--only-external", action="store_true",
+                    help="run the external-server arms only; the embedded arms' results are kept from --json")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/async_rl_cpu.json"))
     a = ap.parse_args(argv)
+    a.external = a.external or a.only_external
     variants = {"sync": [], "async": ASYNC}
     results: dict[str, dict] = {}
-    for name, extra in variants.items():  # untimed: the caches (each seed's warm start is cached by its first run)
-        run_one(a.out / f"warmup-{name}", a.seeds[0], a.steps, extra)
-    for name, extra in variants.items():
-        results[name] = {}
-        for seed in a.seeds:
-            results[name][seed] = run_one(a.out / f"{name}-s{seed}", seed, a.steps, extra)
+    if a.only_external:  # the embedded arms as an earlier run measured them
+        old = json.loads(a.json.read_text())["results"] if a.json.is_file() else {}
+        results.update({k: v for k, v in old.items() if k in variants})
+    else:
+        for name, extra in variants.items():  # untimed: the caches (each seed's warm start is cached by its first run)
+            run_one(a.out / f"warmup-{name}", a.seeds[0], a.steps, extra)
+        for name, extra in variants.items():
+            results[name] = {}
+            for seed in a.seeds:
+                results[name][seed] = run_one(a.out / f"{name}-s{seed}", seed, a.steps, extra)
     if a.external:  # a server per run: its weight versions never go back, and each run starts at 0
+        for name, extra in variants.items():  # untimed warm-ups: the learner's and the server's compile caches
+            root = a.out / f"external-weights-warmup-{name}"
+            server = _ExternalServer(root, a.out / f"external-server-warmup-{name}.log")
+            try:
+                run_one(a.out / f"warmup-{name}-external", a.seeds[0], a.steps, [*extra, *server.overrides(root / "w")])
+            finally:
+                server.close()
         for name, extra in variants.items():
             results[f"{name}, external server"] = {}
             for seed in a.external_seeds or a.seeds:

@@ -12,14 +12,19 @@ warm-started policy) measures its generated tokens per task, and each variant th
 ``round(16 * flat's tokens per task / its own)`` tasks a step (flat GRPO keeps 16). ``--budget
 trajectories`` keeps 16 tasks of 8 trajectories for all (the older protocol). The table reports
 what each run actually spent (tokens, trajectories and actions per step), since a policy's lengths
-change as it learns.
+change as it learns. DAPO's refill rounds would spend more as the policy improves (all-success
+groups multiply), so under ``--budget tokens`` they stop at flat GRPO's pilot tokens per step
+(``rollout.dapo.max_tokens_per_step``).
 
 Columns (held-out maps, the run's last evaluation, mean ± std over seeds): success (mean over 4
 samples per map), pass@4, response tokens per trajectory, turns, greedy success, and the gain of
-success over the run's step-0 evaluation. Writes ``results.json`` (every run's curve),
+success over the run's step-0 evaluation; then the mechanism, per training step: mixed groups (the
+share of rolled-out groups with both a success and a failure, the only ones GRPO learns from) and
+branches expanded / pruned at checkpoints. Writes ``results.json`` (every run's curve),
 ``table.md``, ``summary.json`` and ``success.png`` (success over steps with seed bands) under
 ``--out``. Finished runs are reused (delete a run directory to redo it); an interrupted run is
-restarted. ``--jobs`` runs that many trainings at once (default: one per 2 cores).
+restarted; ``--keep V ...`` takes those variants' rows from ``OUT/results.json`` of an earlier run
+instead of running them. ``--jobs`` runs that many trainings at once (default: one per 2 cores).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
         "mixed_groups": mean("mixed_groups"),
         "expanded_per_step": mean("expanded"),
         "pruned_per_step": mean("pruned"),
+        "checkpoints_per_step": mean("checkpoints"),
         "dynamic_dropped_per_step": mean("dynamic_dropped_groups"),
         "wall_s": json.loads((run_dir / "summary.json").read_text()).get("wall_s"),
     }
@@ -158,9 +164,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
             "response_tokens": _ms(last("response_tokens")), "turns": _ms(last("turns")), "gain": _ms(gain),
             "success_per_seed": last("success"), "gain_per_seed": gain,
             "curve_mean": float(np.mean([np.mean(r["success"]) for r in runs])),
-            **{k: float(np.mean([r[k] for r in runs])) for k in (
+            **{k: float(np.mean([r.get(k, math.nan) for r in runs])) for k in (  # nan: an older run lacks it
                 "tasks_per_step", "tokens_per_step", "trajectories_per_step", "actions_per_step",
-                "groups_with_success", "mixed_groups", "expanded_per_step", "pruned_per_step",
+                "groups_with_success", "mixed_groups", "expanded_per_step", "pruned_per_step", "checkpoints_per_step",
                 "dynamic_dropped_per_step")},
         }
     return out
@@ -171,8 +177,9 @@ def table(summary: dict[str, dict], title: str) -> str:
     pct = lambda m: f"{100 * m[0]:.1f} ± {100 * m[1]:.1f}"  # noqa: E731
     lines = [f"**{title}**", "",
              "| method | success | pass@4 | resp. tokens | turns | greedy | gain | tasks/step | tokens/step "
-             "| traj./step | actions/step | paper succ. / pass@4 / RLen / turns |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| traj./step | actions/step | mixed groups | expanded / pruned per step "
+             "| paper succ. / pass@4 / RLen / turns |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v, s in summary.items():
         paper = PAPER.get(v)
         ref = " / ".join(str(x) for x in paper) if paper else "—"
@@ -180,7 +187,8 @@ def table(summary: dict[str, dict], title: str) -> str:
             f"| {v} ({s['seeds']} seeds) | {pct(s['success'])} | {pct(s['pass_at_4'])} | {s['response_tokens'][0]:.1f} "
             f"| {s['turns'][0]:.2f} | {pct(s['greedy'])} | {100 * s['gain'][0]:+.1f} ± {100 * s['gain'][1]:.1f} "
             f"| {s['tasks_per_step']:.0f} | {s['tokens_per_step']:.0f} | {s['trajectories_per_step']:.0f} "
-            f"| {s['actions_per_step']:.0f} | {ref} |")
+            f"| {s['actions_per_step']:.0f} | {100 * s['mixed_groups']:.0f}% "
+            f"| {s['expanded_per_step']:.1f} / {s['pruned_per_step']:.1f} | {ref} |")
     return "\n".join(lines)
 
 
@@ -214,26 +222,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--out", default="runs/bench_frozenlake")
     p.add_argument("--title", default=None, help="the table's title (default: the settings)")
+    p.add_argument("--keep", nargs="+", default=[], choices=list(VARIANTS),
+                   help="take these variants' rows from OUT/results.json (an earlier run of the same protocol) "
+                        "instead of running them")
     p.add_argument("overrides", nargs="*", help="extra key.sub=value overrides for every run (e.g. env.size=6)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     variants = list(dict.fromkeys(["grpo", *args.variants])) if args.budget == "tokens" else args.variants
+    variants = list(dict.fromkeys([*variants, *args.keep]))
 
+    earlier = json.loads((out / "results.json").read_text()) if args.keep else None
     if args.budget == "tokens":
         print("pilot: generated tokens per task of each variant's first step (seed 0)", flush=True)
-        pilots = {v: pilot_tokens(v, out, args.overrides) for v in variants}
+        pilots = {v: earlier["pilot_tokens_per_task"][v] if v in args.keep else pilot_tokens(v, out, args.overrides)
+                  for v in variants}
         tasks = tasks_per_step(pilots)
         for v in variants:
             print(f"  {v:<12} {pilots[v]:7.1f} tokens/task -> {tasks[v]} tasks/step", flush=True)
     else:
         pilots, tasks = {}, dict.fromkeys(variants, BASE_TASKS)
 
-    jobs = [(v, s) for v in variants for s in args.seeds]
+    per_variant = {v: [] for v in variants}
+    if args.budget == "tokens" and "dapo" in per_variant:  # its refill rounds stop at flat GRPO's tokens per step
+        per_variant["dapo"] = [f"rollout.dapo.max_tokens_per_step={round(BASE_TASKS * pilots['grpo'])}"]
+    jobs = [(v, s) for v in variants if v not in args.keep for s in args.seeds]
     results: dict[str, list[dict]] = {v: [None] * len(args.seeds) for v in variants}
+    for v in args.keep:  # these rows as an earlier run of the same protocol measured them
+        results[v] = earlier["runs"][v]
     print(f"{len(jobs)} runs, {args.jobs} at a time", flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(run_one, v, s, tasks[v], out, args.steps, args.overrides): (v, i)
+        futures = {pool.submit(run_one, v, s, tasks[v], out, args.steps, [*args.overrides, *per_variant[v]]): (v, i)
                    for v, s in jobs for i in [args.seeds.index(s)]}
         for fut in concurrent.futures.as_completed(futures):
             v, i = futures[fut]
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + md)
     (out / "results.json").write_text(json.dumps({"budget": args.budget, "pilot_tokens_per_task": pilots,
                                                   "tasks_per_step": tasks, "overrides": args.overrides,
+                                                  "variant_overrides": per_variant,
                                                   "runs": results}, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(md + "\n")

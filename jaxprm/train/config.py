@@ -290,7 +290,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(r.arpo.beam_size >= 2, "rollout.arpo.beam_size", f"must be >= 2 (one copy per branching), got {r.arpo.beam_size}")
     _check(1 <= r.arpo.top_logprobs <= 20, "rollout.arpo.top_logprobs", f"must be in [1, 20], got {r.arpo.top_logprobs}")
     _positive(r.arpo, "rollout.arpo", "entropy_tokens")
-    _positive(r.dapo, "rollout.dapo", "max_rounds")
+    _positive(r.dapo, "rollout.dapo", "max_rounds", "max_tokens_per_step")
     _positive(r.dapo, "rollout.dapo", "overlong_factor", allow_zero=True)
     if r.dapo.overlong_buffer is not None:
         _check(0 <= r.dapo.overlong_buffer <= r.max_new_tokens, "rollout.dapo.overlong_buffer",

@@ -17,6 +17,7 @@ DAPO's other two pieces, clip-higher and the token-level loss, are learner optio
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,13 +25,26 @@ import numpy as np
 
 from jaxprm.train.config import TrainConfig
 
-__all__ = ["dynamic_sampling", "overlong_buffer", "overlong_penalty", "is_mixed", "shape_overlong"]
+__all__ = ["dynamic_sampling", "overlong_buffer", "overlong_penalty", "is_mixed", "shape_overlong", "round_tasks"]
 
 
 def dynamic_sampling(cfg: TrainConfig) -> bool:
     """Whether dynamic sampling is on (``rollout.dapo.dynamic_sampling``; null: for ``dapo`` only)."""
     on = cfg.rollout.dapo.dynamic_sampling
     return cfg.rollout.strategy == "dapo" if on is None else bool(on)
+
+
+def round_tasks(tasks_per_round: int, *, tasks_so_far: int, tokens_so_far: int, max_tokens: int | None) -> int:
+    """Tasks for the next dynamic-sampling round under a token cap: ``tasks_per_round`` without a
+    cap or before any round; ``0`` once ``tokens_so_far >= max_tokens``; else
+    ``min(tasks_per_round, ceil((max_tokens - tokens_so_far) / (tokens_so_far / tasks_so_far)))``,
+    the tasks the rest of the cap buys at the step's tokens per task so far."""
+    if max_tokens is None or tasks_so_far == 0:
+        return tasks_per_round
+    if tokens_so_far >= max_tokens:
+        return 0
+    per_task = max(tokens_so_far / tasks_so_far, 1e-9)
+    return int(min(tasks_per_round, math.ceil((max_tokens - tokens_so_far) / per_task)))
 
 
 def overlong_buffer(cfg: TrainConfig) -> int:

@@ -418,15 +418,15 @@ class _Job:
         self.consumed_pos = c.data_pos
         return await self._finish_step(step, c.row, t0, c.rollout, (*spans, learning))
 
-    async def _collect_round(self, step: int, rnd: int, scorer, phase):
-        """One round of a step's rollouts: the next ``tasks_per_step`` tasks rolled out (this
+    async def _collect_round(self, step: int, rnd: int, scorer, phase, n_tasks: int):
+        """One round of a step's rollouts: the next ``n_tasks`` tasks rolled out (this
         process's share), overlong shaping, process rewards and the filter, gathered over the
         processes. Returns ``(groups, kept, rewards, rejected, stats, groups per process, rollout span,
         scoring span)``."""
         cfg = self.cfg
         # every process takes the same tasks and rolls out its share (all of them in one process);
         # group i of the step keeps its seed whichever process runs it
-        offset, tasks = multihost.process_share(self.stream.take(cfg.rollout.tasks_per_step))
+        offset, tasks = multihost.process_share(self.stream.take(n_tasks))
         branch_rejected: list[GroupRejected] = []
         with phase("rollout") as rollout:
             groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
@@ -460,9 +460,16 @@ class _Job:
         dynamic = dapo.dynamic_sampling(cfg)
         want = cfg.rollout.tasks_per_step
         groups, kept, rewards, branch_rejected, rounds = [], [], [], [], []
+        tasks_so_far, capped = 0, False
         while not rounds or (dynamic and len(kept) < want and len(rounds) < cfg.rollout.dapo.max_rounds):
+            n_tasks = dapo.round_tasks(want, tasks_so_far=tasks_so_far, max_tokens=cfg.rollout.dapo.max_tokens_per_step,
+                                       tokens_so_far=sum(g.stats.generated_tokens for g in groups))
+            capped = n_tasks < want
+            if n_tasks == 0:  # the step's token cap is spent
+                break
             r_groups, r_kept, r_rewards, r_rejected, r_stats, r_split, r_roll, r_score = await self._collect_round(
-                step, len(rounds), scorer, phase)
+                step, len(rounds), scorer, phase, n_tasks)
+            tasks_so_far += n_tasks
             groups += r_groups
             branch_rejected += r_rejected
             if dynamic:
@@ -478,6 +485,7 @@ class _Job:
         if dynamic:
             kept, rewards = kept[:want], rewards[:want]
             fstats["dynamic_rounds"] = len(rounds)
+            fstats["dynamic_token_capped"] = float(capped)
         data_pos = self.stream.pos
         for r in branch_rejected:
             self.log(f"branch scorer rejected group {r.group_key}: {r}")
@@ -488,7 +496,7 @@ class _Job:
             "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
             "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
             "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
-            "expanded": desc["expanded"], "pruned": desc["pruned"],
+            "expanded": desc["expanded"], "pruned": desc["pruned"], "checkpoints": desc["checkpoints"],
             "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
             "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
         }

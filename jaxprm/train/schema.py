@@ -117,13 +117,18 @@ class DAPOConfig:
     ``dynamic_sampling`` (null: on for ``rollout.strategy: dapo`` only): groups whose trajectories
     all succeed or all fail are dropped and more tasks are rolled out, ``tasks_per_step`` at a time
     for at most ``max_rounds`` rounds, until ``tasks_per_step`` groups remain (the surplus is cut;
-    fewer when the rounds run out). ``overlong_buffer`` (null: ``max_new_tokens // 4`` for ``dapo``,
+    fewer when the rounds run out). ``max_tokens_per_step`` (null: no cap) bounds what the rounds
+    may sample: no round starts once the step's generated tokens reach it, and a later round takes
+    only the tasks the rest of the cap buys at the step's tokens per task so far (an equal-cost
+    comparison: ``benchmarks.frozenlake`` sets it to flat GRPO's tokens per step).
+    ``overlong_buffer`` (null: ``max_new_tokens // 4`` for ``dapo``,
     off otherwise; 0: off): DAPO's soft overlong punishment, applied to a trajectory by its longest
     turn ``L`` of at most ``L_max = max_new_tokens`` tokens:
     ``-factor * clip((L - (L_max - buffer)) / buffer, 0, 1)``."""
 
     dynamic_sampling: bool | None = None
     max_rounds: int = 3
+    max_tokens_per_step: int | None = None
     overlong_buffer: int | None = None
     overlong_factor: float = 1.0
 

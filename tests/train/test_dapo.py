@@ -66,3 +66,23 @@ def test_the_dapo_strategy_turns_both_on_and_flat_leaves_them_off():
     both = load_config(None, ["rollout.strategy=flat", "rollout.dapo.dynamic_sampling=true",
                               "rollout.dapo.overlong_buffer=3"])
     assert dapo.dynamic_sampling(both) and dapo.overlong_buffer(both) == 3
+
+
+def test_round_tasks_spend_the_rest_of_the_token_cap_at_the_steps_rate():
+    # no cap, or the first round: the configured round
+    assert dapo.round_tasks(9, tasks_so_far=0, tokens_so_far=0, max_tokens=100) == 9
+    assert dapo.round_tasks(9, tasks_so_far=9, tokens_so_far=10_000, max_tokens=None) == 9
+    # 9 tasks cost 1,170 tokens (130 a task): 2,070 - 1,170 = 900 tokens buy ceil(6.92) = 7 tasks
+    assert dapo.round_tasks(9, tasks_so_far=9, tokens_so_far=1170, max_tokens=2070) == 7
+    # a rest larger than a round is still one round
+    assert dapo.round_tasks(9, tasks_so_far=9, tokens_so_far=100, max_tokens=10_000) == 9
+    # spent: no more rounds
+    assert dapo.round_tasks(9, tasks_so_far=18, tokens_so_far=2070, max_tokens=2070) == 0
+    assert dapo.round_tasks(9, tasks_so_far=18, tokens_so_far=2500, max_tokens=2070) == 0
+
+
+def test_a_token_cap_must_be_positive():
+    from jaxprm.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.dapo.max_tokens_per_step"):
+        load_config(None, ["rollout.strategy=dapo", "rollout.dapo.max_tokens_per_step=0"])

@@ -50,3 +50,10 @@ def test_the_paper_faithful_patr_never_refills(tmp_path):
     row = _row("configs/patr_paper.yaml", tmp_path)
     assert row["refills"] == 0
     assert row["trajectories"] <= 3 * (2 + 1)  # b0 roots, one expanded into 2 at the one checkpoint of 4 turns
+
+
+def test_a_dapo_token_cap_stops_the_rounds_once_it_is_spent(tmp_path):
+    row = _row("configs/dapo.yaml", tmp_path, "rollout.temperature=2.0", "rollout.dapo.max_tokens_per_step=1")
+    assert row["dynamic_rounds"] == 1  # the first round always runs; it spends the cap
+    assert row["trajectories"] == 3 * 4
+    assert row["dynamic_token_capped"] == float(row["kept_groups"] < 3)
