@@ -229,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    variants = list(dict.fromkeys(["grpo", *args.variants])) if args.budget == "tokens" else args.variants
-    variants = list(dict.fromkeys([*variants, *args.keep]))
+    # runs go in the order given (flat GRPO, the budget's anchor, is added last when not named); the
+    # table keeps the VARIANTS order
+    variants = list(dict.fromkeys([*args.variants, *args.keep, *(["grpo"] if args.budget == "tokens" else [])]))
 
     earlier = json.loads((out / "results.json").read_text()) if args.keep else None
     if args.budget == "tokens":
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             v, i = futures[fut]
             results[v][i] = fut.result()
 
+    results = {v: results[v] for v in VARIANTS if v in results}
     summary = summarize(results)
     title = args.title or (f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, "
                            f"equal {args.budget} per step")

@@ -155,3 +155,17 @@ def test_missing_state_rejects_with_the_key():
 def test_kwargs_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FrozenLakeProgressScorer(**kwargs)
+
+
+@pytest.mark.parametrize("w", [0.0, 0.25, 0.5, 0.9])
+def test_a_live_branch_scores_at_most_one_minus_the_reward_weight(w):
+    """A branch still running (not in a hole, not at the goal) has earned no reward on FrozenLake, so
+    it scores ``(1 - w) * progress <= 1 - w``: PaTR's prune rule ``s < median - alpha`` can never fire
+    among live branches when ``alpha >= 1 - w`` (the default w = 0.5 with the paper's alpha = 0.5)."""
+    scorer = FrozenLakeProgressScorer(reward_weight=w)
+    live = [(r, c) for r in range(4) for c in range(4) if MAP[r][c] in "SF"]
+    scores = [run(scorer.evaluate(turn("t", None, 3, reward=0.0, env_state=state(p)), {})) for p in live]
+    assert max(scores) <= 1 - w + 1e-12 and min(scores) >= 0.0
+    assert max(scores) == pytest.approx((1 - w) * (1 - 1 / bfs(MAP, (0, 0))))  # the cell next to G
+    med = float(np.median(scores))
+    assert not [s for s in scores if s < med - (1 - w)]  # alpha = 1 - w prunes nothing
