@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -205,7 +206,8 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
         succ = np.array([r["success"][:n] for r in runs])
         ax.plot(xs, succ.mean(0), marker="o", label=variant)
         ax.fill_between(xs, succ.mean(0) - succ.std(0), succ.mean(0) + succ.std(0), alpha=0.15)
-    ax.set(xlabel="training step", ylabel="held-out sampled success", title=title, ylim=(0, 1))
+    ax.set(xlabel="training step", ylabel="held-out sampled success", ylim=(0, 1))
+    ax.set_title("\n".join(textwrap.wrap(title, 72)), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
