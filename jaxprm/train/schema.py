@@ -153,7 +153,8 @@ class RolloutConfig:
     top_k: int = 2
     # the prune margin below the median score (the paper's 0.5). With the default branch scorer (FrozenLake
     # progress, level mode, reward_weight w = 0.5) a live branch scores 0.5 * progress, in [0, 1 - w], so
-    # alpha >= 1 - w can never prune; 0.25 is the paper's margin on that range (README, the 6x6 regime)
+    # alpha >= 1 - w can never prune; the README's weak-start regime uses 0.08, just under one move of
+    # progress on a 4x4 map (0.5 / 6)
     alpha: float = 0.5
     theta: int = 6
     max_branches: int | None = None
