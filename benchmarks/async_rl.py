@@ -90,6 +90,19 @@ def run_one(run_dir: Path, seed: int, steps: int, extra: list[str]) -> dict:
     return summarize(run_dir)
 
 
+def run_external(out: Path, run_dir: Path, tag: str, seed: int, steps: int, extra: list[str]) -> dict:
+    """``run_one`` against a server process of its own (``OUT/external-weights-TAG``, its log
+    ``OUT/external-server-TAG.log``), started only when the run is not finished yet."""
+    if (run_dir / "summary.json").is_file():
+        return summarize(run_dir)
+    root = out / f"external-weights-{tag}"
+    server = _ExternalServer(root, out / f"external-server-{tag}.log")
+    try:
+        return run_one(run_dir, seed, steps, [*extra, *server.overrides(root / "w")])
+    finally:
+        server.close()
+
+
 def summarize(run_dir: Path) -> dict:
     rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
@@ -151,22 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][seed] = run_one(a.out / f"{name}-s{seed}", seed, a.steps, extra)
     if a.external:  # a server per run: its weight versions never go back, and each run starts at 0
         for name, extra in variants.items():  # untimed warm-ups: the learner's and the server's compile caches
-            root = a.out / f"external-weights-warmup-{name}"
-            server = _ExternalServer(root, a.out / f"external-server-warmup-{name}.log")
-            try:
-                run_one(a.out / f"warmup-{name}-external", a.seeds[0], a.steps, [*extra, *server.overrides(root / "w")])
-            finally:
-                server.close()
+            run_external(a.out, a.out / f"warmup-{name}-external", f"warmup-{name}", a.seeds[0], a.steps, extra)
         for name, extra in variants.items():
-            results[f"{name}, external server"] = {}
-            for seed in a.external_seeds or a.seeds:
-                root = a.out / f"external-weights-{name}-s{seed}"
-                server = _ExternalServer(root, a.out / f"external-server-{name}-s{seed}.log")
-                try:
-                    results[f"{name}, external server"][seed] = run_one(
-                        a.out / f"{name}-external-s{seed}", seed, a.steps, [*extra, *server.overrides(root / "w")])
-                finally:
-                    server.close()
+            results[f"{name}, external server"] = {
+                seed: run_external(a.out, a.out / f"{name}-external-s{seed}", f"{name}-s{seed}", seed, a.steps, extra)
+                for seed in a.external_seeds or a.seeds}
     table = _table(results)
     print(table)
     a.json.parent.mkdir(parents=True, exist_ok=True)
