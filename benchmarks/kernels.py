@@ -6,8 +6,12 @@
 For each kernel and size it reports tokens/s (B*T per second) of the jitted float32 JAX kernel, of a
 float64 numpy implementation and (when torch is installed) of an eager float32 PyTorch version
 written the way the reference system does it (a Python loop over time for GAE, autograd for the
-loss). It also measures this machine's memory-copy bandwidth and reports each JAX kernel's achieved
+loss). It also measures the memory-copy bandwidth (the host's on the CPU backend, the device's on an
+accelerator, where the PyTorch references run on CUDA too) and reports each JAX kernel's achieved
 bytes/s (compulsory reads + writes, float32, masks as float32) as a fraction of it.
+
+``--break-even`` times only GAE's sequential ``scan`` against the parallel-prefix ``associative`` method
+at ``gamma * lam < 1`` (where they differ) over sizes from 8x128 to 16x32768.
 
 ``--anchor REV`` also times the JAX kernels of commit ``REV`` (loaded in-process from ``git
 archive``, ``benchmarks.anchor``), each repeat alternating between the current and the old kernel,
@@ -221,16 +225,28 @@ def numpy_kernels(x):
 # Eager PyTorch, written the way AReaL's learner does it (float32 tensors, Python loop in GAE)
 
 
+def torch_device() -> str:
+    """Where the eager PyTorch references run: CUDA when torch sees a GPU (a lent GPU machine)."""
+    return "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+
+
+def torch_sync(out=None):
+    if torch_device() == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
 def torch_kernels(x):
     if torch is None:
         return {}
-    t = {k: torch.from_numpy(v) for k, v in x.items()}
+    dev = torch_device()
+    t = {k: torch.from_numpy(v).to(dev) for k, v in x.items()}
 
     def gae(rewards, values, mask):
         B, T = rewards.shape
-        lastgaelam = torch.zeros(B)
-        nextvalues = torch.zeros(B)
-        out = [torch.zeros(B)]
+        lastgaelam = torch.zeros(B, device=dev)
+        nextvalues = torch.zeros(B, device=dev)
+        out = [torch.zeros(B, device=dev)]
         for i in reversed(range(T - 1)):
             delta = rewards[:, i] + nextvalues - values[:, i]
             newgaelam = delta + lastgaelam
@@ -273,8 +289,8 @@ def torch_kernels(x):
             r[sel] = (r[sel] - r[sel].mean()) / (r[sel].std() + 1e-5)
         d = t["old"] - t["ref"]
         rewards = -0.05 * torch.clamp(torch.exp(-d) - 1 + d, -10, 10) * m
-        rewards[torch.arange(B), torch.clamp(t["seq_lens"] - 2, min=0).long()] += r
-        adv, _ = gae(rewards, torch.zeros(B, T), m)
+        rewards[torch.arange(B, device=dev), torch.clamp(t["seq_lens"] - 2, min=0).long()] += r
+        adv, _ = gae(rewards, torch.zeros(B, T, device=dev), m)
         return gvpo(normalize(adv, m), t["proc_neg"], m)
 
     return {
@@ -310,9 +326,18 @@ def hlo_report(x: dict[str, np.ndarray]) -> dict[str, dict[str, int]]:
     return out
 
 
+def device_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s (read + write) of a jitted elementwise pass ``x + 1`` over ``nbytes`` of float32 on
+    JAX's default device: the streaming ceiling of an accelerator (``copy_bandwidth`` is the host's)."""
+    x = jnp.zeros(nbytes // 4, jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    return 2 * nbytes / _best_time(lambda: f(x), repeats, jax.block_until_ready)
+
+
 def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None,
         kernels: list[str] | None = None) -> dict:
-    bw = copy_bandwidth()
+    on_cpu = jax.default_backend() == "cpu"
+    bw = copy_bandwidth() if on_cpu else device_copy_bandwidth()
     rows = []
     hlo = {}
     old_lib = None
@@ -338,7 +363,7 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None,
             else:
                 tj, t_old = _best_time(fn, repeats, jax.block_until_ready), None
             tn = _best_time(nk[name], slow_repeats) if name in nk else None
-            tt = _best_time(tk[name], slow_repeats) if name in tk else None
+            tt = _best_time(tk[name], slow_repeats, torch_sync) if name in tk else None
             n = B * T
             rows.append({
                 "kernel": name, "B": B, "T": T,
@@ -359,8 +384,10 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None,
         "loadavg_after": os.getloadavg(),
         "hlo_full_size_copies": hlo,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                    "backend": jax.default_backend(), "torch": None if torch is None else torch.__version__},
+                    "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+                    "torch": None if torch is None else torch.__version__, "torch_device": torch_device()},
         "copy_bandwidth_GBps": bw / 1e9,
+        "copy_bandwidth_of": "host memory (numpy copy)" if on_cpu else "device memory (jitted x + 1)",
         "rows": rows,
     }
 
@@ -383,6 +410,39 @@ def print_row(r: dict) -> None:
           f"{'%' if r.get('anchor_fraction_of_copy_bw') else ' '}", flush=True)
 
 
+def gae_methods(rows: list[dict]) -> list[dict]:
+    """Per size: each GAE method's time and the fastest (where ``associative`` breaks even)."""
+    out = []
+    for B, T in dict.fromkeys((r["B"], r["T"]) for r in rows):
+        ms = {r["kernel"][4:]: r["jax_ms"] for r in rows if (r["B"], r["T"]) == (B, T) and r["kernel"].startswith("gae_")}
+        if ms:
+            out.append({"B": B, "T": T, "ms": ms, "fastest": min(ms, key=ms.get)})
+    return out
+
+
+BREAK_EVEN_SIZES = "8x128,8x512,8x2048,8x8192,64x2048,256x512,256x2048,256x8192,1024x8192,16x32768"
+
+
+def gae_break_even(sizes: list[tuple[int, int]], repeats: int, gamma: float = 0.99, lam: float = 0.95) -> list[dict]:
+    """GAE's ``scan`` (unroll 1 and 16) vs ``associative`` at ``gamma * lam < 1``, where the methods
+    differ (at ``gamma == lam == 1`` all three run the same blocked cumulative sum): ms per size."""
+    rows = []
+    for B, T in sizes:
+        x = make_inputs(B, T)
+        d = [jnp.asarray(x[k]) for k in ("rewards", "values", "mask")]
+        row = {"B": B, "T": T, "gamma": gamma, "lam": lam}
+        for key, method, unroll in (("scan_u1", "scan", 1), ("scan_u16", "scan", 16), ("associative", "associative", 16)):
+            f = jax.jit(lambda r, v, m, method=method, unroll=unroll: jaxprm.learner.gae(
+                r, v, m, gamma=gamma, lam=lam, method=method, unroll=unroll))
+            row[f"{key}_ms"] = 1e3 * _best_time(lambda: f(*d), repeats, jax.block_until_ready)
+        row["fastest"] = min(("scan_u1", "scan_u16", "associative"), key=lambda k: row[f"{k}_ms"])
+        rows.append(row)
+        print(f"GAE {B}x{T} (gamma {gamma}, lam {lam}): scan {row['scan_u1_ms']:.3f} ms (unroll 16: "
+              f"{row['scan_u16_ms']:.3f}), associative {row['associative_ms']:.3f} ms; fastest {row['fastest']}",
+              flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8x512,64x2048,256x8192", help="comma-separated BxT sizes")
@@ -394,14 +454,32 @@ def main(argv: list[str] | None = None) -> dict:
                     help="PyTorch intra-op threads (default 1: its OpenMP pool stalls when cores are shared)")
     ap.add_argument("--kernels", default=None,
                     help="comma-separated kernel-name prefixes to time (default: all), e.g. gae,normalize")
+    ap.add_argument("--break-even", action="store_true",
+                    help=f"only time GAE's scan vs associative at gamma 0.99, lam 0.95 (sizes default: {BREAK_EVEN_SIZES})")
     args = ap.parse_args(argv)
+    if args.break_even and args.sizes == ap.get_default("sizes"):
+        args.sizes = BREAK_EVEN_SIZES
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
+    if args.break_even:
+        result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                              "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]},
+                  "loadavg_before": os.getloadavg(), "break_even": gae_break_even(sizes, args.repeats)}
+        result["loadavg_after"] = os.getloadavg()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+            print(f"wrote {args.json}")
+        return result
     if torch is not None:
         torch.set_num_threads(args.torch_threads)
     print(f"jax {jax.__version__} on {jax.default_backend()}; torch {getattr(torch, '__version__', 'absent')}")
     print(HEADER, flush=True)
     result = run(sizes, args.repeats, args.anchor, args.kernels.split(",") if args.kernels else None)
-    print(f"memory-copy bandwidth: {result['copy_bandwidth_GBps']:.1f} GB/s (read + write)")
+    print(f"memory-copy bandwidth: {result['copy_bandwidth_GBps']:.1f} GB/s (read + write, {result['copy_bandwidth_of']})")
+    result["gae_methods"] = gae_methods(result["rows"])
+    for g in result["gae_methods"]:
+        times = ", ".join(f"{m} {t:.3f} ms" for m, t in g["ms"].items())
+        print(f"GAE at {g['B']}x{g['T']}: {times}; fastest: {g['fastest']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

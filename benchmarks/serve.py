@@ -15,9 +15,10 @@ prefix cache on vs off.
    mean time to first token (server metric), mean rows per decode call, prompt tokens served from
    the prefix cache. The concurrencies in ``--no-cache-levels`` run again with the cache off (the
    like-for-like comparison with transformers, which has none).
-2. **Hugging Face transformers** ``generate`` (PyTorch eager on CPU, float32, SDPA attention) on the
-   same GGUF with the same prompts, greedy, exactly ``max_tokens`` new tokens, batches of
-   ``--hf-batches`` (left padding), warm.
+2. **Hugging Face transformers** ``generate`` (PyTorch eager, float32, SDPA attention; on CUDA when
+   torch sees a GPU, ``--hf-device``) on ``--hf-model`` (the same GGUF, or the same directory, e.g.
+   a ``benchmarks.shape_twin`` on a machine the GGUF cannot reach) with the same prompts, greedy,
+   exactly ``max_tokens`` new tokens, batches of ``--hf-batches`` (left padding), warm.
 3. **PaTR rollouts** (``--skip-patr`` to skip): ``python -m jaxprm.train steps=0`` warm-starts the
    default tiny policy and exports it; then the default PaTR setting (``rollout.*`` of the default
    config: 8 groups of budget 8, B0 = 4, K, M, top-k, the progress branch scorer) is rolled out
@@ -182,34 +183,44 @@ def _ttft(engine, name: str) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 # 2. Hugging Face transformers
 
-def bench_hf(name: str, batches, max_tokens: int):
+def bench_hf(name: str, batches, max_tokens: int, device: str = "auto"):
+    """transformers ``generate`` on ``name``: ``"smollm2-135m"`` (its GGUF) or a Hugging Face directory
+    (e.g. a ``benchmarks.shape_twin``), float32, on ``device`` (``auto``: CUDA when torch sees it)."""
     import torch
     import transformers
 
     from jaxprm.models import smollm2_gguf_path
 
-    if name != "smollm2-135m":
-        raise ValueError("the transformers comparison runs on smollm2-135m (the GGUF both load)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    g = smollm2_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name,
-                                                              torch_dtype=torch.float32).eval()
+    if name == "smollm2-135m":
+        g = smollm2_gguf_path()
+        src, kw_src = g.parent, dict(gguf_file=g.name)
+    elif Path(name).is_dir():
+        src, kw_src = Path(name), {}
+    else:
+        raise ValueError(f"the transformers comparison runs on smollm2-135m or a model directory, not {name!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = transformers.AutoTokenizer.from_pretrained(src, **kw_src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, **kw_src, dtype=torch.float32).eval().to(device)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompt = tok.apply_chat_template(PROMPT_MESSAGES, add_generation_prompt=True, tokenize=False)
-    out = dict(model=name, torch=torch.__version__, transformers=transformers.__version__,
+    out = dict(model=name, device=device, torch=torch.__version__, transformers=transformers.__version__,
                torch_threads=torch.get_num_threads(), attn_implementation=model.config._attn_implementation,
-               batches=[])
+               tf32_matmul=torch.backends.cuda.matmul.allow_tf32, batches=[])
     for b in batches:
         enc = tok([prompt + f"Episode hf-{b}-{i}." for i in range(b)], return_tensors="pt", padding=True,
-                  add_special_tokens=False)
+                  add_special_tokens=False).to(device)
         kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         with torch.inference_mode():
             model.generate(**enc, **kw)  # warm
+            sync()
             t0 = time.perf_counter()
             gen = model.generate(**enc, **kw)
+            sync()
             wall = time.perf_counter() - t0
         n = (gen.shape[1] - enc["input_ids"].shape[1]) * b
         row = dict(batch=b, tokens=n, wall_s=wall, tokens_per_s=n / wall, loadavg=_load())
@@ -318,7 +329,7 @@ def print_table(results) -> None:
     for r in results.get("server", []):
         for lv in r["levels"]:
             cached = 100.0 * lv["cached_prompt_tokens"] / max(1, lv["prompt_tokens"])
-            print(f"{r['model']:14s} {lv['concurrency']:>5d} {'on' if lv['prefix_cache'] else 'off':>5s} "
+            print(f"{Path(r['model']).name[:14]:14s} {lv['concurrency']:>5d} {'on' if lv['prefix_cache'] else 'off':>5s} "
                   f"{lv['tokens_per_s']:>10.1f} {lv['prompt_plus_generated_tokens_per_s']:>10.1f} "
                   f"{lv['latency_median_s']:>8.2f} {lv['latency_p90_s']:>8.2f} {lv['ttft_mean_s']:>8.2f} "
                   f"{lv['mean_rows_per_batch']:>9.1f} {cached:>8.1f} {lv['loadavg'][0]:>6.2f}")
@@ -368,6 +379,9 @@ def main(argv=None) -> None:
     p.add_argument("--decode-steps", type=int, default=None, help="default: the engine's choice")
     p.add_argument("--hf-batches", default="1,32")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--hf-model", default="smollm2-135m",
+                   help="the model of --models that transformers runs too (smollm2-135m or a directory)")
+    p.add_argument("--hf-device", default="auto", help="torch device for transformers (auto: cuda if present)")
     p.add_argument("--skip-patr", action="store_true")
     p.add_argument("--patr-rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
@@ -383,11 +397,11 @@ def main(argv=None) -> None:
             per_client=_per_model(args.requests_per_client, name, 1),
             max_tokens=_per_model(args.max_tokens, name, 32), max_batch=args.max_batch,
             decode_steps=args.decode_steps))
-    if not args.skip_hf and "smollm2-135m" in models:
+    if not args.skip_hf and args.hf_model in models:
         print("benchmarking transformers generate ...", flush=True)
-        hf = results["transformers"] = bench_hf("smollm2-135m", _ints(args.hf_batches),
-                                                 _per_model(args.max_tokens, "smollm2-135m", 32))
-        ours = next(r for r in results["server"] if r["model"] == "smollm2-135m")
+        hf = results["transformers"] = bench_hf(args.hf_model, _ints(args.hf_batches),
+                                                 _per_model(args.max_tokens, args.hf_model, 32), args.hf_device)
+        ours = next(r for r in results["server"] if r["model"] == args.hf_model)
         results["comparison"] = [
             dict(batch=b["batch"], prefix_cache=lv["prefix_cache"], ratio=lv["tokens_per_s"] / b["tokens_per_s"])
             for b in hf["batches"] for lv in ours["levels"] if lv["concurrency"] == b["batch"]]

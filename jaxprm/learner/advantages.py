@@ -30,7 +30,8 @@ class AdvantageConfig:
       kl_ctl: coefficient of the per-token KL reward ``-kl_ctl * KL(old, ref)`` (0 disables it).
       kl_estimator: ``"k1" | "k2" | "k3"``.
       gamma, lam: GAE discount and lambda.
-      gae_method: ``"auto"`` (``"cumsum"`` when ``gamma == lam == 1``, else ``"scan"``),
+      gae_method: ``"auto"`` (``"cumsum"`` when ``gamma == lam == 1``; else ``"associative"`` on an
+        accelerator backend, ``"scan"`` on the CPU: see ``gae_method_for``),
         ``"scan" | "associative" | "cumsum"``.
       adv_mean_level, adv_std_level: advantage normalization levels (``"batch" | "group" | None``).
       adv_unbiased, adv_eps: unbiased std and epsilon of that normalization.
@@ -104,10 +105,22 @@ class Advantages(NamedTuple):
     advantages_normalized: jax.Array  # after normalization, before shaping
 
 
+def gae_method_for(gamma: float, lam: float, backend: str | None = None) -> str:
+    """The GAE method ``gae_method="auto"`` picks: ``"cumsum"`` when ``gamma == lam == 1`` (all
+    methods then run the same blocked cumulative sum); otherwise the parallel-prefix
+    ``"associative"`` on an accelerator (on an H200 it beats the sequential scan from T = 512 up,
+    4-55x at T >= 8192: ``benchmarks/results/gae_break_even_h200.json``) and ``"scan"`` on the CPU
+    (there neither is consistently ahead, within 1.4x either way: ``gae_break_even_cpu.json``).
+    ``backend``: default ``jax.default_backend()``."""
+    if gamma == 1.0 and lam == 1.0:
+        return "cumsum"
+    return "scan" if (backend or jax.default_backend()) == "cpu" else "associative"
+
+
 def _gae_method(config: AdvantageConfig) -> str:
     if config.gae_method != "auto":
         return config.gae_method
-    return "cumsum" if config.gamma == 1.0 and config.lam == 1.0 else "scan"
+    return gae_method_for(config.gamma, config.lam)
 
 
 def _compute_advantages(batch: Batch, config: AdvantageConfig) -> Advantages:

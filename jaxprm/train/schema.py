@@ -279,7 +279,7 @@ class AdvantageSection:
     kl_estimator: Literal[KL_ESTIMATORS] = "k1"
     gamma: float = 1.0
     lam: float = 1.0
-    gae_method: Literal["scan", "associative"] = "scan"
+    gae_method: Literal["auto", "scan", "associative"] = "auto"  # auto: associative on GPU/TPU, scan on CPU
     adv_mean_level: Literal["batch", "group"] | None = "batch"
     adv_std_level: Literal["batch", "group"] | None = "batch"
     adv_unbiased: bool = True

@@ -38,3 +38,13 @@ def test_block_size_bounds_the_scaling():
     assert gae_block_size(0.9, 0.95) == 8 and gae_block_size(0.9, 0.9) == 4 and gae_block_size(0.5, 1.0) == 2 and gae_block_size(0.9, 0.0) == 1
     for g in (0.3, 0.6, 0.8, 0.92, 0.97):
         assert g ** -gae_block_size(g, 1.0) <= 4.0
+
+
+def test_auto_picks_the_parallel_prefix_on_accelerators_only():
+    from jaxprm.learner.advantages import AdvantageConfig, _gae_method, gae_method_for
+
+    assert gae_method_for(1.0, 1.0, "gpu") == gae_method_for(1.0, 1.0, "cpu") == "cumsum"
+    assert gae_method_for(0.99, 0.95, "gpu") == gae_method_for(0.99, 0.95, "tpu") == "associative"
+    assert gae_method_for(0.99, 0.95, "cpu") == "scan"
+    assert _gae_method(AdvantageConfig(gamma=0.99, lam=0.95)) == gae_method_for(0.99, 0.95)  # this backend
+    assert _gae_method(AdvantageConfig(gamma=0.99, lam=0.95, gae_method="associative")) == "associative"
