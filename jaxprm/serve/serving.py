@@ -62,7 +62,7 @@ class ServeConfig:
         sequences between calls); ``None``: chosen by model size (see ``Engine``).
       prefill_chunk / max_prefill_tokens: chunked prefill: prompt tokens per sequence / per call.
       enable_prefix_cache: reuse the KV of cached prompt prefixes (radix tree over blocks).
-      window_factor: ratio of successive KV window buckets (see ``Engine``; 2 by default).
+      window_factor: ratio of successive KV window buckets (see ``Engine``; ``None``: by model size).
     """
 
     model_name: str = "jaxprm"
@@ -86,7 +86,7 @@ class ServeConfig:
     prefill_chunk: int = 256
     max_prefill_tokens: int = 1024
     enable_prefix_cache: bool = True
-    window_factor: int = 2
+    window_factor: float | None = None
 
     def __post_init__(self):
         if self.logprobs_mode not in ("raw", "processed"):

@@ -318,8 +318,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     sv = cfg.server
     _check(bool(sv.batch_buckets) and all(isinstance(b, int) and b > 0 for b in sv.batch_buckets),
            "server.batch_buckets", "must be a non-empty list of positive ints")
-    _check(isinstance(sv.window_factor, int) and sv.window_factor >= 2, "server.window_factor",
-           f"must be an int >= 2, got {sv.window_factor!r}")
+    _check(isinstance(sv.window_factor, (int, float)) and not isinstance(sv.window_factor, bool)
+           and sv.window_factor >= 1.25, "server.window_factor", f"must be a number >= 1.25, got {sv.window_factor!r}")
     _positive(sv, "server", "prefill_chunk", "max_prefill_tokens")
     _check(sv.max_prefill_tokens >= sv.prefill_chunk, "server.max_prefill_tokens",
            f"must be >= server.prefill_chunk ({sv.prefill_chunk}), got {sv.max_prefill_tokens}")

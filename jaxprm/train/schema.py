@@ -71,7 +71,7 @@ class ServerConfig:
     # (rows, chunk, window) a prefill program to compile (~1.5 s each for the tiny model on 2 cores);
     # x4 steps instead of x2 halve the programs a run compiles, for a little padding.
     batch_buckets: list[int] = dataclasses.field(default_factory=lambda: [1, 4, 16, 64])
-    window_factor: int = 4
+    window_factor: float = 4
     # embedded: chunked prefill (prompt tokens per sequence / padded tokens per call). Chunks are
     # bucketed 16, 64, ... up to prefill_chunk and rows 1, 4, 16, ... up to max_prefill_tokens / 16;
     # a FrozenLake turn's new suffix is ~40 tokens (the prefix cache holds the rest), so 64 / 256

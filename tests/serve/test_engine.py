@@ -270,10 +270,19 @@ def test_coarser_window_buckets_give_the_same_tokens(engine, prompts):
         assert coarse.window_buckets[-1] == engine.window_buckets[-1]
         assert _window_buckets(1024, 16, 4) == (128, 512, 1024)
         assert _window_buckets(1024, 16) == (128, 256, 512, 1024)
+        assert _window_buckets(1024, 16, 1.5) == (128, 192, 288, 432, 656, 1024)  # 992 is within 10%
+        assert _window_buckets(2000, 16, 2) == (128, 256, 512, 1024, 2000)
         params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
                   for i, t in enumerate((0.0, 1.0, 0.7, 0.0))]
         assert_same(run(coarse, prompts, params), run(engine, prompts, params))
     finally:
         coarse.stop()
+    assert engine.window_factor == 2.0  # auto for the tiny model; 1.5 from SMALL_MODEL_PARAMS up
+    fine = Engine(engine.sampler, max_batch=4, window_factor=1.5).start()
+    try:
+        assert fine.window_buckets == _window_buckets(fine.max_len, 16, 1.5)
+        assert_same(run(fine, prompts, params), run(engine, prompts, params))
+    finally:
+        fine.stop()
     with pytest.raises(ValueError, match="window_factor"):
-        Engine(engine.sampler, max_batch=4, window_factor=1)
+        Engine(engine.sampler, max_batch=4, window_factor=1.2)
