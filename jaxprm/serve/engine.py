@@ -62,6 +62,10 @@ SMALL_MODEL_PARAMS = 20_000_000
 #: (SmolLM2-135M on 2 cores, batch 32: 132 ms a step at a 192 window against 151 ms at 256).
 AUTO_WINDOW_FACTOR = (2.0, 1.5)
 MIN_WINDOW_FACTOR = 1.25
+#: Ratio of successive prefill row buckets (1, r, r^2, ...) for models under / from ``SMALL_MODEL_PARAMS``:
+#: a larger model's prefill is compute-bound, so padded rows cost their full share (SmolLM2-135M on
+#: 2 cores, 16-token chunks at a 192 window: 32 rows 435 ms, the same rows padded to 64 916 ms).
+AUTO_PREFILL_ROW_FACTOR = (4, 2)
 
 
 def _window_buckets(max_len: int, block_size: int, factor: float = 2) -> tuple[int, ...]:
@@ -97,6 +101,9 @@ class Engine:
         (their step is shorter than a host round trip: 10x the throughput of single steps for the
         tiny model on 2 busy cores), else 1 (SmolLM2-135M on CPU: no gain).
       prefill_chunk / max_prefill_tokens: chunked prefill sizes (per row / per call, padded).
+        Chunks are bucketed 16, 64, 256, ... up to ``prefill_chunk``; rows 1, r, r^2, ... with
+        ``prefill_row_factor`` r (``None``: ``AUTO_PREFILL_ROW_FACTOR``, 4 for models under
+        ``SMALL_MODEL_PARAMS`` parameters, 2 from there).
       enable_prefix_cache: reuse the KV of cached prompt prefixes.
       collect_window_s / max_collect_s: when idle, wait for more arrivals (a burst starts together):
         until none came for ``collect_window_s``, at most ``max_collect_s``.
@@ -116,12 +123,16 @@ class Engine:
                  decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
                  metrics: EngineMetrics | None = None, unroll_layers: bool | None = None,
-                 window_factor: float | None = None):
+                 window_factor: float | None = None, prefill_row_factor: int | None = None):
         small = sum(int(x.size) for x in jax.tree.leaves(sampler.params)) < SMALL_MODEL_PARAMS
         if decode_steps is None:
             decode_steps = AUTO_DECODE_STEPS if small else 1
         if window_factor is None:
             window_factor = AUTO_WINDOW_FACTOR[0] if small else AUTO_WINDOW_FACTOR[1]
+        if prefill_row_factor is None:
+            prefill_row_factor = AUTO_PREFILL_ROW_FACTOR[0] if small else AUTO_PREFILL_ROW_FACTOR[1]
+        if int(prefill_row_factor) < 2:
+            raise ValueError(f"prefill_row_factor must be >= 2, got {prefill_row_factor}")
         for name, value in (("block_size", block_size), ("decode_steps", decode_steps),
                             ("prefill_chunk", prefill_chunk), ("max_prefill_tokens", max_prefill_tokens)):
             if int(value) < 1:
@@ -152,7 +163,8 @@ class Engine:
         self.cache = PrefixCache(self.pool, self.block_size, enabled=enable_prefix_cache,
                                  version=sampler.weight_version)
         max_rows = max(1, int(max_prefill_tokens) // chunk_buckets[0])
-        self.prefill_row_buckets = tuple(4 ** i for i in range(10) if 4 ** i <= max_rows)
+        r = int(prefill_row_factor)
+        self.prefill_row_buckets = tuple(r ** i for i in range(64) if r ** i <= max_rows)
         self.scheduler = Scheduler(self.pool, self.cache, max_seqs=self.max_batch, decode_steps=self.decode_steps,
                                    prefill_chunk=int(prefill_chunk), max_prefill_tokens=int(max_prefill_tokens),
                                    chunk_buckets=chunk_buckets, row_buckets=self.prefill_row_buckets)

@@ -286,3 +286,23 @@ def test_coarser_window_buckets_give_the_same_tokens(engine, prompts):
         fine.stop()
     with pytest.raises(ValueError, match="window_factor"):
         Engine(engine.sampler, max_batch=4, window_factor=1.2)
+
+
+def test_prefill_row_buckets_by_factor_give_the_same_tokens(engine, prompts):
+    """Prefill rows are bucketed 1, 4, 16, ... for the tiny model and 1, 2, 4, ... with
+    ``prefill_row_factor=2`` (the auto choice from SMALL_MODEL_PARAMS up): a burst of 3 rows is
+    one call padded to 4 rows either way, 6 rows pad to 16 or to 8; the tokens do not change."""
+    assert engine.prefill_row_buckets[:3] == (1, 4, 16)
+    fine = Engine(engine.sampler, max_batch=8, prefill_row_factor=2).start()
+    try:
+        assert fine.prefill_row_buckets[:4] == (1, 2, 4, 8)
+        burst = (prompts * 2)[:6]
+        params = [SamplingParams(max_new_tokens=6, temperature=t, seed=i, ignore_eos=True)
+                  for i, t in enumerate((0.0, 1.0, 0.7, 0.0, 1.0, 0.0))]
+        calls = fine.stats.prefill_calls
+        assert_same(run(fine, burst, params), run(engine, burst, params))
+        assert fine.stats.prefill_calls > calls
+    finally:
+        fine.stop()
+    with pytest.raises(ValueError, match="prefill_row_factor"):
+        Engine(engine.sampler, max_batch=4, prefill_row_factor=1)
