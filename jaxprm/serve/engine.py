@@ -62,10 +62,11 @@ SMALL_MODEL_PARAMS = 20_000_000
 #: (SmolLM2-135M on 2 cores, batch 32: 132 ms a step at a 192 window against 151 ms at 256).
 AUTO_WINDOW_FACTOR = (2.0, 1.5)
 MIN_WINDOW_FACTOR = 1.25
-#: Ratio of successive prefill row buckets (1, r, r^2, ...) for models under / from ``SMALL_MODEL_PARAMS``:
-#: a larger model's prefill is compute-bound, so padded rows cost their full share (SmolLM2-135M on
-#: 2 cores, 16-token chunks at a 192 window: 32 rows 435 ms, the same rows padded to 64 916 ms).
-AUTO_PREFILL_ROW_FACTOR = (4, 2)
+#: Ratio of successive prefill row and chunk buckets (rows 1, r, r^2, ...; chunks 16, 16 r, ...) for
+#: models under / from ``SMALL_MODEL_PARAMS``: a larger model's prefill is compute-bound, so padding
+#: costs its full share (SmolLM2-135M on 2 cores, 16-token chunks at a 192 window: 32 rows 435 ms,
+#: the same rows padded to 64 916 ms), while a small model's calls are cheaper than compiling more.
+AUTO_PREFILL_BUCKET_FACTOR = (4, 2)
 
 
 def _window_buckets(max_len: int, block_size: int, factor: float = 2) -> tuple[int, ...]:
@@ -101,9 +102,10 @@ class Engine:
         (their step is shorter than a host round trip: 10x the throughput of single steps for the
         tiny model on 2 busy cores), else 1 (SmolLM2-135M on CPU: no gain).
       prefill_chunk / max_prefill_tokens: chunked prefill sizes (per row / per call, padded).
-        Chunks are bucketed 16, 64, 256, ... up to ``prefill_chunk``; rows 1, r, r^2, ... with
-        ``prefill_row_factor`` r (``None``: ``AUTO_PREFILL_ROW_FACTOR``, 4 for models under
-        ``SMALL_MODEL_PARAMS`` parameters, 2 from there).
+        Chunks are bucketed 16, 16 r, 16 r^2, ... up to ``prefill_chunk`` and rows 1, r, r^2, ...
+        with ``prefill_bucket_factor`` r (``None``: ``AUTO_PREFILL_BUCKET_FACTOR``, 4 for models
+        under ``SMALL_MODEL_PARAMS`` parameters, 2 from there); with the x2 ladder the scheduler
+        cuts a prompt into bucket-sized chunks rather than pad it (``cut_padded_chunks``).
       enable_prefix_cache: reuse the KV of cached prompt prefixes.
       collect_window_s / max_collect_s: when idle, wait for more arrivals (a burst starts together):
         until none came for ``collect_window_s``, at most ``max_collect_s``.
@@ -123,16 +125,17 @@ class Engine:
                  decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
                  metrics: EngineMetrics | None = None, unroll_layers: bool | None = None,
-                 window_factor: float | None = None, prefill_row_factor: int | None = None):
+                 window_factor: float | None = None, prefill_bucket_factor: int | None = None):
         small = sum(int(x.size) for x in jax.tree.leaves(sampler.params)) < SMALL_MODEL_PARAMS
         if decode_steps is None:
             decode_steps = AUTO_DECODE_STEPS if small else 1
         if window_factor is None:
             window_factor = AUTO_WINDOW_FACTOR[0] if small else AUTO_WINDOW_FACTOR[1]
-        if prefill_row_factor is None:
-            prefill_row_factor = AUTO_PREFILL_ROW_FACTOR[0] if small else AUTO_PREFILL_ROW_FACTOR[1]
-        if int(prefill_row_factor) < 2:
-            raise ValueError(f"prefill_row_factor must be >= 2, got {prefill_row_factor}")
+        if prefill_bucket_factor is None:
+            prefill_bucket_factor = AUTO_PREFILL_BUCKET_FACTOR[0] if small else AUTO_PREFILL_BUCKET_FACTOR[1]
+        if int(prefill_bucket_factor) < 2:
+            raise ValueError(f"prefill_bucket_factor must be >= 2, got {prefill_bucket_factor}")
+        r = int(prefill_bucket_factor)
         for name, value in (("block_size", block_size), ("decode_steps", decode_steps),
                             ("prefill_chunk", prefill_chunk), ("max_prefill_tokens", max_prefill_tokens)):
             if int(value) < 1:
@@ -154,8 +157,8 @@ class Engine:
         num_blocks = kv_cache_tokens // self.block_size + 1  # + the null block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} is less than one block of {self.block_size}")
-        # Coarse shape buckets (x4): every bucket is a program to compile.
-        chunk_buckets = tuple(c for c in (16, 64, 256, 1024, 4096) if c < prefill_chunk) + (int(prefill_chunk),)
+        # Coarse shape buckets (x r): every bucket is a program to compile.
+        chunk_buckets = tuple(16 * r ** i for i in range(64) if 16 * r ** i < prefill_chunk) + (int(prefill_chunk),)
         self.runner = ModelRunner(sampler.graphdef, sampler.rest, sampler.config, num_blocks=num_blocks,
                                   block_size=self.block_size, cache_dtype=sampler.cache_dtype,
                                   unroll_layers=unroll_layers)
@@ -163,11 +166,11 @@ class Engine:
         self.cache = PrefixCache(self.pool, self.block_size, enabled=enable_prefix_cache,
                                  version=sampler.weight_version)
         max_rows = max(1, int(max_prefill_tokens) // chunk_buckets[0])
-        r = int(prefill_row_factor)
         self.prefill_row_buckets = tuple(r ** i for i in range(64) if r ** i <= max_rows)
         self.scheduler = Scheduler(self.pool, self.cache, max_seqs=self.max_batch, decode_steps=self.decode_steps,
                                    prefill_chunk=int(prefill_chunk), max_prefill_tokens=int(max_prefill_tokens),
-                                   chunk_buckets=chunk_buckets, row_buckets=self.prefill_row_buckets)
+                                   chunk_buckets=chunk_buckets, row_buckets=self.prefill_row_buckets,
+                                   cut_padded_chunks=r < 4)
         self.collect_window_s = float(collect_window_s)
         self.max_collect_s = max(float(max_collect_s), self.collect_window_s)
         self.metrics = metrics or EngineMetrics()

@@ -14,7 +14,8 @@ Every engine iteration asks the ``Scheduler`` for a plan, runs it, and reports b
    right now it waits (the prompt is then prefilled once, not ``n`` times). Its own full prompt
    blocks enter the cache as "not ready" until computed.
 3. **Chunked prefill:** up to ``prefill_chunk`` prompt tokens per sequence, ``max_prefill_tokens``
-   in all (rows x padded chunk), oldest first.
+   in all (rows x padded chunk), oldest first; with ``cut_padded_chunks`` a row takes the largest
+   chunk bucket below its pending tokens now and the rest later when that pads fewer slots.
    After that prefill, a second admission pass lets in the sequences that were waiting for the
    blocks it computed, with a prefill of their uncached tails.
 4. **Decode:** every sequence whose prompt is in the pool takes ``k`` steps in one batch.
@@ -135,11 +136,14 @@ class Scheduler:
       chunk_buckets: allowed padded chunk lengths (ascending, the last >= ``prefill_chunk``).
       row_buckets: allowed padded row counts of a prefill call; a call's padded rows x chunk stays
         within ``max_prefill_tokens`` (a single row always fits).
+      cut_padded_chunks: a row prefills the largest chunk bucket below its pending tokens now and
+        the rest later when that pads fewer slots than one chunk of them all (more calls: for
+        models whose prefill is compute-bound).
     """
 
     def __init__(self, pool: BlockPool, cache: PrefixCache, *, max_seqs: int, decode_steps: int = 1,
                  prefill_chunk: int = 256, max_prefill_tokens: int = 1024, chunk_buckets=(16, 64, 256),
-                 row_buckets=(1, 4, 16, 64)):
+                 row_buckets=(1, 4, 16, 64), cut_padded_chunks: bool = False):
         self.pool = pool
         self.cache = cache
         self.block_size = cache.block_size
@@ -149,6 +153,7 @@ class Scheduler:
         self.prefill_chunk = min(int(prefill_chunk), self.chunk_buckets[-1])
         self.max_prefill_tokens = max(int(max_prefill_tokens), self.prefill_chunk)
         self.row_buckets = tuple(sorted(int(r) for r in row_buckets))
+        self.cut_padded_chunks = bool(cut_padded_chunks)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._admissions = 0
@@ -270,7 +275,7 @@ class Scheduler:
         for seq in candidates:
             if seq.status is not Status.PREFILL:
                 continue
-            n = min(seq.target - seq.num_computed, self.prefill_chunk)
+            n = self._chunk_tokens(min(seq.target - seq.num_computed, self.prefill_chunk))
             c = bucket_for(max(chunk, n), self.chunk_buckets, "prefill chunk")
             if rows:
                 if len(rows) + 1 > self.row_buckets[-1]:
@@ -280,6 +285,16 @@ class Scheduler:
             rows.append((seq, seq.num_computed, n))
             chunk = c
         return PrefillPlan(rows, chunk) if rows else None
+
+    def _chunk_tokens(self, n: int) -> int:
+        """Tokens of a row's next chunk out of ``n`` pending: all ``n``, unless ``cut_padded_chunks``
+        and the largest bucket ``b < n`` now plus the rest's bucket later pad fewer slots than
+        ``n``'s own bucket (prefill is compute-bound: 150 tokens cost 128 + 32 slots, not 256)."""
+        c = bucket_for(n, self.chunk_buckets, "prefill chunk")
+        below = [b for b in self.chunk_buckets if b < n]
+        if self.cut_padded_chunks and below and below[-1] + bucket_for(n - below[-1], self.chunk_buckets, "") < c:
+            return below[-1]
+        return n
 
     # results -------------------------------------------------------------------------------------
     def prefilled(self, seq: Sequence, n: int, version: int) -> None:

@@ -288,15 +288,17 @@ def test_coarser_window_buckets_give_the_same_tokens(engine, prompts):
         Engine(engine.sampler, max_batch=4, window_factor=1.2)
 
 
-def test_prefill_row_buckets_by_factor_give_the_same_tokens(engine, prompts):
-    """Prefill rows are bucketed 1, 4, 16, ... for the tiny model and 1, 2, 4, ... with
-    ``prefill_row_factor=2`` (the auto choice from SMALL_MODEL_PARAMS up): a burst of 3 rows is
-    one call padded to 4 rows either way, 6 rows pad to 16 or to 8; the tokens do not change."""
-    assert engine.prefill_row_buckets[:3] == (1, 4, 16)
-    fine = Engine(engine.sampler, max_batch=8, prefill_row_factor=2).start()
+def test_prefill_buckets_by_factor_give_the_same_tokens(engine, prompts):
+    """Prefill rows are bucketed 1, 4, 16, ... and chunks 16, 64, ... for the tiny model, and 1, 2,
+    4, ... / 16, 32, 64, ... with ``prefill_bucket_factor=2`` (the auto choice from
+    SMALL_MODEL_PARAMS up): a burst of 6 rows pads to 16 or to 8 rows, and a long prompt is cut
+    into bucket-sized chunks; the tokens do not change."""
+    assert engine.prefill_row_buckets[:3] == (1, 4, 16) and engine.scheduler.chunk_buckets[:2] == (16, 64)
+    fine = Engine(engine.sampler, max_batch=8, prefill_bucket_factor=2).start()
     try:
         assert fine.prefill_row_buckets[:4] == (1, 2, 4, 8)
-        burst = (prompts * 2)[:6]
+        assert fine.scheduler.chunk_buckets[:4] == (16, 32, 64, 128)
+        burst = (prompts * 2)[:5] + [prompts[0] * 4]  # the last one prefills in several chunks
         params = [SamplingParams(max_new_tokens=6, temperature=t, seed=i, ignore_eos=True)
                   for i, t in enumerate((0.0, 1.0, 0.7, 0.0, 1.0, 0.0))]
         calls = fine.stats.prefill_calls
@@ -304,5 +306,5 @@ def test_prefill_row_buckets_by_factor_give_the_same_tokens(engine, prompts):
         assert fine.stats.prefill_calls > calls
     finally:
         fine.stop()
-    with pytest.raises(ValueError, match="prefill_row_factor"):
-        Engine(engine.sampler, max_batch=4, prefill_row_factor=1)
+    with pytest.raises(ValueError, match="prefill_bucket_factor"):
+        Engine(engine.sampler, max_batch=4, prefill_bucket_factor=1)

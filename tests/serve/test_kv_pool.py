@@ -148,3 +148,23 @@ def test_identical_prompts_are_prefilled_once():
     assert [s.status for s in rows] == [Status.DECODE] * 3
     assert rows[0].cached_tokens == 0 and rows[1].cached_tokens == rows[2].cached_tokens == 12
     assert rows[1].blocks[:3] == rows[2].blocks[:3] == rows[0].blocks[:3]
+
+
+def test_a_long_prompt_is_cut_into_bucket_sized_chunks_rather_than_padded():
+    """150 pending tokens with chunk buckets 16..256 (x2): 128 now and 22 (bucket 32) later pad 160
+    slots, one chunk 256; 22 stay whole (16 + 16 would pad as many), and so do 9 (no bucket below)."""
+    pool, cache = make(64)
+    sched = Scheduler(pool, cache, max_seqs=4, prefill_chunk=256, max_prefill_tokens=1024,
+                      chunk_buckets=(16, 32, 64, 128, 256), row_buckets=(1, 2, 4, 8), cut_padded_chunks=True)
+    long, short = seq(0, range(151), 2), seq(1, range(1000, 1010), 2)  # 150 / 9 positions to prefill
+    sched.add(long)
+    sched.add(short)
+    plan = sched.schedule()
+    assert [(s.seq_id, n) for s, _, n in plan.rows] == [(0, 128), (1, 9)] and plan.chunk == 128
+    for s, _, n in plan.rows:
+        sched.prefilled(s, n, version=0)
+    plan = sched.schedule()
+    assert [(s.seq_id, start, n) for s, start, n in plan.rows] == [(0, 128, 22)] and plan.chunk == 32
+    assert sched._chunk_tokens(100) == 100 and sched._chunk_tokens(140) == 128  # 64 + 64 = 128; 128 + 16 < 256
+    sched.cut_padded_chunks = False
+    assert sched._chunk_tokens(140) == 140
