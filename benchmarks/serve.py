@@ -139,7 +139,14 @@ def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, ma
         windows = [w for w in engine.window_buckets if w < longest] + [
             next(w for w in engine.window_buckets if w >= longest)]
         sizes = [b for b in engine.batch_buckets if b <= max([*concurrency, *no_cache_levels])]
-        result["precompile_s"] = engine.precompile(batch_sizes=sizes, windows=windows)
+        # The requests share the chat template's blocks: shared-prefix decode programs for them too.
+        a, b = (tok.encode(prompt + f"Episode {x}.") for x in ("a-0-0", "b-1-1"))
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shared = common // engine.block_size * engine.block_size
+        own = range(result["prompt_tokens"] - shared, longest - shared + 1, engine.block_size)
+        result["precompile_s"] = engine.precompile(batch_sizes=sizes, windows=windows, shared_windows=[shared] if shared else [],
+                                                   own_windows=list(own) if shared else None)
+        result["shared_prefix_attention"] = engine.shared_prefix_attention
         result["precompiled_programs"] = engine.num_compilations
         print(f"  {name}: precompiled {engine.num_compilations} programs in {result['precompile_s']:.0f} s",
               flush=True)
@@ -155,11 +162,12 @@ def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, ma
                     break
             warm_s = time.perf_counter() - t0
             st = engine.stats
-            b0, r0, n0 = st.batches, st.rows, engine.num_compilations
+            b0, r0, n0, sp0 = st.batches, st.rows, engine.num_compilations, st.shared_prefix_calls
             ttft_sum0, ttft_n0 = _ttft(engine, name)
             level = _run_level_in_child(server.url, name, prompt, c, per_client, max_tokens, f"run{c}{cache}")
             ttft_sum, ttft_n = _ttft(engine, name)
             level.update(prefix_cache=cache, warmup_s=warm_s, recompiles=engine.num_compilations - n0,
+                         shared_prefix_calls=st.shared_prefix_calls - sp0,
                          mean_rows_per_batch=(st.rows - r0) / max(1, st.batches - b0),
                          ttft_mean_s=(ttft_sum - ttft_sum0) / max(1, ttft_n - ttft_n0), loadavg=_load())
             levels.append(level)

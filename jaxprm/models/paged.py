@@ -79,7 +79,8 @@ class PagedKVCache:
         return int(self.k.shape[3])
 
 
-def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array, mask: jax.Array) -> jax.Array:
+def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array, mask: jax.Array,
+                    shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query softmax attention over each row's gathered blocks.
 
     ``q [B, T, H, hd]``; ``key_blocks, value_blocks [B, nb, K, bs, hd]`` (row ``b``'s window of
@@ -88,6 +89,11 @@ def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array
     finite average). Returns ``[B, T, H, hd]`` in ``q.dtype``. Same as ``transformer.attention``
     over the window; the blocks are contracted where they lie (no transposed copy of the window),
     and the ``T G`` queries of a key/value head form one matrix.
+
+    ``shared = (shared_keys, shared_values [ns, K, bs, hd], shared_mask [B, T, ns bs])``: blocks
+    every row also attends, gathered once for the batch (a common prompt prefix): one softmax over
+    the shared slots and the row's own, so the result is the attention over their concatenation.
+    The shared scores of all rows' queries are one matrix product per key/value head.
     """
     B, T, H, hd = q.shape
     _, nb, K, bs, _ = key_blocks.shape
@@ -96,8 +102,19 @@ def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array
     scores = jnp.einsum("bkqd,bnksd->bkqns", qg, key_blocks, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, T, G, W) * (hd ** -0.5)
     scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks.dtype).reshape(B, K, T * G, nb, bs)
-    out = jnp.einsum("bkqns,bnksd->bkqd", probs, value_blocks)
+    if shared is not None:
+        shared_keys, shared_values, shared_mask = shared
+        ns = shared_keys.shape[0]
+        s2 = jnp.einsum("bkqd,nksd->bkqns", qg, shared_keys, preferred_element_type=jnp.float32)
+        s2 = s2.reshape(B, K, T, G, ns * bs) * (hd ** -0.5)
+        s2 = jnp.where(shared_mask[:, None, :, None, :], s2, _MASK_VALUE)
+        scores = jnp.concatenate([s2, scores], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks.dtype)
+    if shared is not None:
+        p2, probs = probs[..., : ns * bs].reshape(B, K, T * G, ns, bs), probs[..., ns * bs:]
+    out = jnp.einsum("bkqns,bnksd->bkqd", probs.reshape(B, K, T * G, nb, bs), value_blocks)
+    if shared is not None:
+        out = out + jnp.einsum("bkqns,nksd->bkqd", p2, shared_values)
     return out.reshape(B, K, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
@@ -116,13 +133,22 @@ def unstack_layers(model) -> tuple[dict[str, jax.Array], ...]:
 
 
 def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
-                        block_tables: jax.Array, *, layers: tuple[dict[str, jax.Array], ...] | None = None
+                        block_tables: jax.Array, *, layers: tuple[dict[str, jax.Array], ...] | None = None,
+                        shared_table: jax.Array | None = None, shared_len: jax.Array | None = None
                         ) -> tuple[jax.Array, PagedKVCache]:
     """Final-normed hidden states ``[B, T, D]`` and the updated pool (see the module docstring).
 
     ``model`` is a ``jaxprm.models.Transformer``; ``model.logits(h)`` turns (a gather of) the hidden
     states into float32 logits. ``layers`` (``unstack_layers(model)``, same values as the model's
     layers): run the layers unrolled over these arrays instead of a scan over the stacked ones.
+
+    Shared prefix (decode of rows that start with the same cached blocks): ``shared_table [ns]``
+    holds the blocks of positions ``0 .. shared_len - 1`` (int32 scalar, a multiple of ``bs``;
+    entries past it are ignored) that every row has, and ``block_tables [B, nb]`` then map the
+    positions *after* it (entry ``j``: positions ``shared_len + j bs ..``). The shared blocks are
+    gathered once for the batch instead of once per row; every position must be ``>= shared_len``
+    (the shared blocks are read, never written) and ``< shared_len + nb bs``. Same result as the
+    full tables up to float rounding.
     """
     c = model.config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -142,13 +168,20 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
     x = jnp.take(model.embed[...], tokens, axis=0, mode="clip")
     cos, sin = rope_cos_sin(c, positions)
 
-    valid = positions >= 0
-    safe = jnp.clip(positions, 0, W - 1)
+    if (shared_table is None) != (shared_len is None):
+        raise ValueError("give shared_table and shared_len together")
+    base = 0 if shared_table is None else jnp.asarray(shared_len, jnp.int32)
+    valid = positions >= base if shared_table is not None else positions >= 0
+    rel = positions - base  # the slot of a position in the row's own window
+    safe = jnp.clip(rel, 0, W - 1)
     # Where each entry's k/v goes; padding entries (negative position) target block NB (dropped).
     write_block = jnp.where(valid, jnp.take_along_axis(block_tables, safe // bs, axis=1), NB)
     write_off = safe % bs
     slots = jnp.arange(W)
-    mask = (slots[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+    mask = (slots[None, None, :] <= rel[:, :, None]) & valid[:, :, None]
+    if shared_table is not None:
+        shared_table = shared_table.astype(jnp.int32)
+        shared_mask = (jnp.arange(shared_table.shape[0] * bs) < base)[None, None, :] & valid[:, :, None]
 
     def layer(x, ck, cv, p, i):
         new = {}
@@ -164,7 +197,11 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
             rows = (block_tables + i * NB).reshape(-1)
             key_blocks = _gather_blocks(new["k"], rows).reshape(B, -1, K, bs, c.head_dim).astype(k.dtype)
             value_blocks = _gather_blocks(new["v"], rows).reshape(B, -1, K, bs, c.head_dim).astype(v.dtype)
-            return paged_attention(q, key_blocks, value_blocks, mask)
+            shared = None
+            if shared_table is not None:
+                shared = (_gather_blocks(new["k"], shared_table + i * NB).astype(k.dtype),
+                          _gather_blocks(new["v"], shared_table + i * NB).astype(v.dtype), shared_mask)
+            return paged_attention(q, key_blocks, value_blocks, mask, shared)
 
         x = _layer(c, x, p, cos, sin, attend)
         return x, new["k"], new["v"]

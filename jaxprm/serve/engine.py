@@ -67,6 +67,8 @@ MIN_WINDOW_FACTOR = 1.25
 #: costs its full share (SmolLM2-135M on 2 cores, 16-token chunks at a 192 window: 32 rows 435 ms,
 #: the same rows padded to 64 916 ms), while a small model's calls are cheaper than compiling more.
 AUTO_PREFILL_BUCKET_FACTOR = (4, 2)
+#: Shared-prefix decode attention needs at least this many positions of blocks common to all rows.
+MIN_SHARED_POSITIONS = 64
 
 
 def _window_buckets(max_len: int, block_size: int, factor: float = 2) -> tuple[int, ...]:
@@ -118,6 +120,12 @@ class Engine:
         (rows, chunk, window) a prefill program to compile, so a larger factor compiles fewer
         programs and pads attention more. ``None`` (auto): ``AUTO_WINDOW_FACTOR``, 2 for models
         under ``SMALL_MODEL_PARAMS`` parameters, 1.5 from there.
+      shared_prefix_attention: when every row of a decode call starts with the same cached blocks
+        (at least ``MIN_SHARED_POSITIONS`` positions: a common prompt), gather them once for the
+        batch instead of once per row (``jaxprm.serve.programs``); the rows' own windows are then
+        bucketed from 2 blocks up (``own_window_buckets``). More programs to compile (one per shared
+        window too), less memory traffic per step. ``None``: on for models from
+        ``SMALL_MODEL_PARAMS`` parameters.
     """
 
     def __init__(self, sampler: Sampler, *, max_batch: int | None = None, block_size: int = 16,
@@ -125,12 +133,14 @@ class Engine:
                  decode_steps: int | None = None, prefill_chunk: int = 256, max_prefill_tokens: int = 1024,
                  enable_prefix_cache: bool = True, collect_window_s: float = 0.005, max_collect_s: float = 0.05,
                  metrics: EngineMetrics | None = None, unroll_layers: bool | None = None,
-                 window_factor: float | None = None, prefill_bucket_factor: int | None = None):
+                 window_factor: float | None = None, prefill_bucket_factor: int | None = None,
+                 shared_prefix_attention: bool | None = None):
         small = sum(int(x.size) for x in jax.tree.leaves(sampler.params)) < SMALL_MODEL_PARAMS
         if decode_steps is None:
             decode_steps = AUTO_DECODE_STEPS if small else 1
         if window_factor is None:
             window_factor = AUTO_WINDOW_FACTOR[0] if small else AUTO_WINDOW_FACTOR[1]
+        self.shared_prefix_attention = (not small) if shared_prefix_attention is None else bool(shared_prefix_attention)
         if prefill_bucket_factor is None:
             prefill_bucket_factor = AUTO_PREFILL_BUCKET_FACTOR[0] if small else AUTO_PREFILL_BUCKET_FACTOR[1]
         if int(prefill_bucket_factor) < 2:
@@ -148,6 +158,10 @@ class Engine:
         self.max_len = min(sampler.max_context, sampler.prompt_buckets[-1] + sampler.new_token_buckets[-1])
         self.window_factor = float(window_factor)
         self.window_buckets = _window_buckets(self.max_len, self.block_size, self.window_factor)
+        # a decode batch's own positions after a shared prefix: 2, 4, ... blocks, then the windows
+        self.own_window_buckets = tuple(
+            b for b in (2 * self.block_size * 2 ** i for i in range(8)) if b < self.window_buckets[0]
+        ) + self.window_buckets
         per_token = kv_bytes_per_token(sampler.config, sampler.cache_dtype or sampler.config.dtype)
         if kv_cache_tokens is None:
             if kv_cache_bytes is None:
@@ -432,8 +446,18 @@ class Engine:
     def _decode(self, params, version: int, rows: list[Seq]) -> int:
         k = self.decode_steps
         B = bucket_for(len(rows), self.batch_buckets, "decode batch")
-        W = bucket_for(max(s.num_computed + min(k, s.remaining) for s in rows), self.window_buckets, "window")
-        inp, top_n, filtering = decode_arrays(rows, B, W // self.block_size)
+        end = max(s.num_computed + min(k, s.remaining) for s in rows)
+        shared = self._shared_blocks(rows)
+        if shared:
+            base = shared * self.block_size
+            W = bucket_for(end - base, self.own_window_buckets, "window")
+            ns = bucket_for(base, self.window_buckets, "shared window") // self.block_size
+            inp, top_n, filtering = decode_arrays(rows, B, W // self.block_size, shared_blocks=shared, ns=ns,
+                                                  block_size=self.block_size)
+            self.stats.shared_prefix_calls += 1
+        else:
+            W = bucket_for(end, self.window_buckets, "window")
+            inp, top_n, filtering = decode_arrays(rows, B, W // self.block_size)
         out = self.runner.decode(params, inp, steps=k, top_n=top_n, filtering=filtering)
         now = time.perf_counter()
         generated = 0
@@ -468,6 +492,18 @@ class Engine:
             if not s.finished:
                 s.owner.send_delta(s)
         return generated
+
+    def _shared_blocks(self, rows: list[Seq]) -> int:
+        """Leading blocks every row has (the same pool blocks, so the same KV), all computed before
+        this call (never written by it); 0 when off, for one row, or under ``MIN_SHARED_POSITIONS``."""
+        if not self.shared_prefix_attention or len(rows) < 2:
+            return 0
+        limit = min(s.num_computed for s in rows) // self.block_size
+        first = rows[0].blocks
+        n = 0
+        while n < limit and all(s.blocks[n] == first[n] for s in rows):
+            n += 1
+        return n if n * self.block_size >= MIN_SHARED_POSITIONS else 0
 
     # results ------------------------------------------------------------------------------------------
     def _finished(self, s: Seq) -> None:
@@ -544,10 +580,13 @@ class Engine:
 
     # warm-up -------------------------------------------------------------------------------------
     def precompile(self, *, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None,
-                   top_logprobs: bool = False, filtering: bool = False, prefill: bool = True) -> float:
+                   top_logprobs: bool = False, filtering: bool = False, prefill: bool = True,
+                   shared_windows: Sequence[int] = (), own_windows: Sequence[int] | None = None) -> float:
         """Compile ahead of time the decode programs for these batch buckets and windows (default:
-        all) and, with ``prefill``, the prefill programs of every chunk / row bucket for them.
-        Returns the seconds spent."""
+        all) and, with ``prefill``, the prefill programs of every chunk / row bucket for them; with
+        ``shared_windows`` (and ``shared_prefix_attention``), the shared-prefix decode programs of
+        batches from 2 rows for each of those shared windows and ``own_windows`` (default: every
+        own window up to the longest of ``windows``). Returns the seconds spent."""
         params, _ = self.sampler.snapshot()
         t0 = time.perf_counter()
         bs = sorted({bucket_for(int(b), self.batch_buckets, "batch") for b in (batch_sizes or self.batch_buckets)})
@@ -561,6 +600,14 @@ class Engine:
                     for r in self.prefill_row_buckets:
                         if r == 1 or r * c <= self.scheduler.max_prefill_tokens:
                             self.runner.compile_prefill(params, r, c, w)
+        if self.shared_prefix_attention:
+            for sw in sorted({bucket_for(int(w), self.window_buckets, "window") for w in shared_windows}):
+                own = (o for o in self.own_window_buckets if o <= ws[-1]) if own_windows is None else sorted(
+                    {bucket_for(int(o), self.own_window_buckets, "window") for o in own_windows})
+                for w in own:
+                    for b in (b for b in bs if b > 1):
+                        self.runner.compile_decode(params, b, w, steps=self.decode_steps, top_n=top_n,
+                                                   filtering=filtering, shared_window=sw)
         return time.perf_counter() - t0
 
 

@@ -32,7 +32,8 @@ class EngineStats:
     ``batches`` decode calls, ``rows`` their rows summed, ``tokens`` generated, ``max_rows_in_batch``
     the largest decode batch, ``recent_batch_rows`` the rows of recent decode calls; prefill:
     ``prefill_calls``, ``prefill_tokens`` (computed), ``prompt_tokens`` and ``cached_tokens`` (of
-    admitted prompts, from the prefix cache); ``preemptions``; ``busy_s`` time in programs.
+    admitted prompts, from the prefix cache); ``preemptions``; ``busy_s`` time in programs;
+    ``shared_prefix_calls`` decode calls that gathered a shared prompt prefix once for the batch.
     """
 
     batches: int = 0
@@ -46,6 +47,7 @@ class EngineStats:
     cached_tokens: int = 0
     preemptions: int = 0
     iterations: int = 0
+    shared_prefix_calls: int = 0
     recent_batch_rows: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=1024))
 
 

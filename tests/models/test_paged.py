@@ -73,6 +73,44 @@ def test_padding_is_not_written_and_shared_prefix_blocks_are_only_read():
     np.testing.assert_allclose(np.asarray(logits)[1], want, atol=2e-5, rtol=1e-5)
 
 
+@jax.jit(static_argnames="unroll")
+def _shared_logits(model, tokens, positions, cache, tables, shared_table, shared_len, unroll=False):
+    layers = unstack_layers(model) if unroll else None
+    hidden, cache = paged_hidden_states(model, tokens, positions, cache, tables, layers=layers,
+                                        shared_table=shared_table, shared_len=shared_len)
+    return model.logits(hidden), cache
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_decode_over_a_shared_prefix_gathered_once_matches_the_full_tables(unroll):
+    """Three rows share 3 prefix blocks (12 positions); decoding with ``shared_table`` (padded to 4
+    entries, ``shared_len`` 12) and tables of the positions after it gives the full tables' logits
+    and writes the same pool; padding rows (position -1) write nothing."""
+    model = _model()
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 97, 12)
+    cache = PagedKVCache.init(model.config, 16, BS)
+    _, cache = _paged_logits(model, jnp.asarray(prefix[None]), jnp.asarray(np.arange(12)[None]), cache,
+                             jnp.asarray([[1, 2, 3, 0]]))
+    own = np.array([[4, 5, 0], [6, 7, 0], [8, 9, 0], [0, 0, 0]])  # rows' blocks after the prefix
+    full = np.concatenate([np.tile([1, 2, 3], (4, 1)), own], axis=1)
+    tails = rng.integers(0, 97, (4, 3))
+    ref_cache, shared_cache = cache, cache
+    for t in range(3):  # row 0 prefills 12..14 one token at a time, the others only two tokens
+        pos = np.array([12 + t, 12 + t, 12 + t if t < 2 else -1, -1])[:, None]
+        tok = jnp.asarray(tails[:, t:t + 1])
+        want, ref_cache = _paged_logits(model, tok, jnp.asarray(pos), ref_cache, jnp.asarray(full), unroll=unroll)
+        got, shared_cache = _shared_logits(model, tok, jnp.asarray(pos), shared_cache, jnp.asarray(own),
+                                           jnp.asarray([1, 2, 3, 0]), jnp.int32(12), unroll=unroll)
+        np.testing.assert_allclose(np.asarray(got)[:3 if t < 2 else 2], np.asarray(want)[:3 if t < 2 else 2],
+                                   atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(shared_cache.k), np.asarray(ref_cache.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(shared_cache.v), np.asarray(ref_cache.v), atol=1e-5)
+    seq = np.concatenate([prefix, tails[0]])[None]
+    plain = np.asarray(_plain_logits(model, jnp.asarray(seq), jnp.asarray(np.arange(15)[None])))[0, 12:]
+    np.testing.assert_allclose(np.asarray(got)[0, 0], plain[2], atol=2e-5, rtol=1e-5)
+
+
 def test_kv_bytes_per_token():
     c = tiny_config(vocab_size=97)
     assert kv_bytes_per_token(c) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4

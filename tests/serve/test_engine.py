@@ -288,6 +288,31 @@ def test_coarser_window_buckets_give_the_same_tokens(engine, prompts):
         Engine(engine.sampler, max_batch=4, window_factor=1.2)
 
 
+def test_shared_prefix_attention_gives_the_same_tokens(engine, prompts):
+    """Rows that share a 64-token prompt prefix (4 cached blocks) decode with the shared blocks
+    gathered once for the batch (``shared_prefix_attention``, off by default for the tiny model):
+    the same tokens and log-probs as the full tables, greedy and seeded; a lone row, and rows
+    with nothing in common, take the full-table programs."""
+    assert not engine.shared_prefix_attention
+    common = (prompts[0] + prompts[3]) * 3
+    common = common[:64]
+    rows = [common + p for p in prompts]
+    params = [SamplingParams(max_new_tokens=20, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.7, 0.0))]
+    shared = Engine(engine.sampler, max_batch=4, shared_prefix_attention=True).start()
+    try:
+        assert shared.own_window_buckets[:3] == (32, 64, 128)
+        run(shared, [rows[0]], params[:1])  # caches the common blocks
+        calls = shared.stats.shared_prefix_calls
+        assert_same(run(shared, rows, params), run(engine, rows, params))
+        assert shared.stats.shared_prefix_calls > calls
+        calls = shared.stats.shared_prefix_calls
+        assert_same(run(shared, prompts, params), run(engine, prompts, params))
+        assert shared.stats.shared_prefix_calls == calls  # no common blocks: full tables
+    finally:
+        shared.stop()
+
+
 def test_prefill_buckets_by_factor_give_the_same_tokens(engine, prompts):
     """Prefill rows are bucketed 1, 4, 16, ... and chunks 16, 64, ... for the tiny model, and 1, 2,
     4, ... / 16, 32, 64, ... with ``prefill_bucket_factor=2`` (the auto choice from
