@@ -140,16 +140,19 @@ def test_pause_update_flush_continue_under_load(engine, prompts, tiny):
     rows = [prompts[i % 4] + [i + 3] for i in range(8)]
     params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
     delivered = []
-    first = threading.Event()
+    first, gate = threading.Event(), threading.Event()
 
-    def on_delta(d):
+    def on_delta(d):  # called on the engine's thread: it holds the engine until the pause is posted
         delivered.append(len(d.token_ids))
         first.set()
+        gate.wait(10)
 
     v0 = sampler.weight_version
     fut = engine.submit(rows, params, on_delta=on_delta)
     assert first.wait(60)
-    engine.pause("in_place").result(30)
+    paused = engine.pause("in_place")
+    gate.set()
+    paused.result(30)
     frozen = sum(delivered)
     time.sleep(0.3)
     assert sum(delivered) == frozen and not fut.done()  # nothing runs while paused
