@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per sequence per prefill call")
     p.add_argument("--max-prefill-tokens", type=int, default=1024, help="padded prompt tokens per prefill call")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--shared-prefix-attention", choices=("auto", "on", "off"), default="auto",
+                   help="gather decode rows' common cached prefix once per batch (auto: on from 20M parameters)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="serve the weights in this dtype (logits and log-probs stay float32)")
     p.add_argument("--max-context", type=int, default=None, help="cap on prompt + output tokens")
@@ -78,7 +80,8 @@ def main(argv=None) -> None:
                          kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), block_size=args.block_size,
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
                          max_prefill_tokens=args.max_prefill_tokens, enable_prefix_cache=not args.no_prefix_cache,
-                         weights_roots=weights_roots)
+                         weights_roots=weights_roots,
+                         shared_prefix_attention={"auto": None, "on": True, "off": False}[args.shared_prefix_attention])
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

@@ -63,6 +63,8 @@ class ServeConfig:
       prefill_chunk / max_prefill_tokens: chunked prefill: prompt tokens per sequence / per call.
       enable_prefix_cache: reuse the KV of cached prompt prefixes (radix tree over blocks).
       window_factor: ratio of successive KV window buckets (see ``Engine``; ``None``: by model size).
+      shared_prefix_attention: decode rows' common cached prefix gathered once per batch (see
+        ``Engine``; ``None``: by model size).
     """
 
     model_name: str = "jaxprm"
@@ -87,6 +89,7 @@ class ServeConfig:
     max_prefill_tokens: int = 1024
     enable_prefix_cache: bool = True
     window_factor: float | None = None
+    shared_prefix_attention: bool | None = None
 
     def __post_init__(self):
         if self.logprobs_mode not in ("raw", "processed"):
@@ -107,7 +110,8 @@ class ServeConfig:
                     kv_cache_tokens=self.kv_cache_tokens, decode_steps=self.decode_steps,
                     prefill_chunk=self.prefill_chunk, max_prefill_tokens=self.max_prefill_tokens,
                     enable_prefix_cache=self.enable_prefix_cache, collect_window_s=self.collect_window_s,
-                    max_collect_s=self.max_collect_s, window_factor=self.window_factor)
+                    max_collect_s=self.max_collect_s, window_factor=self.window_factor,
+                    shared_prefix_attention=self.shared_prefix_attention)
 
 
 class Serving:

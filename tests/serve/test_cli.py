@@ -46,7 +46,8 @@ def _stop(proc) -> None:
 
 
 def test_cli_serves_tiny_with_api_key(free_port):
-    proc, url = _serve(free_port(), "--model", "tiny", "--api-key", "k", "--max-batch", "4")
+    proc, url = _serve(free_port(), "--model", "tiny", "--api-key", "k", "--max-batch", "4",
+                       "--shared-prefix-attention", "on")
     try:
         _wait_healthy(proc, url, timeout=180)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
