@@ -171,7 +171,7 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
     if (shared_table is None) != (shared_len is None):
         raise ValueError("give shared_table and shared_len together")
     base = 0 if shared_table is None else jnp.asarray(shared_len, jnp.int32)
-    valid = positions >= base if shared_table is not None else positions >= 0
+    valid = positions >= base
     rel = positions - base  # the slot of a position in the row's own window
     safe = jnp.clip(rel, 0, W - 1)
     # Where each entry's k/v goes; padding entries (negative position) target block NB (dropped).

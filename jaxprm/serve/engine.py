@@ -71,6 +71,15 @@ AUTO_PREFILL_BUCKET_FACTOR = (4, 2)
 MIN_SHARED_POSITIONS = 64
 
 
+def _ladder(first: int, factor: int, below: int) -> tuple[int, ...]:
+    """``first, first * factor, first * factor^2, ...`` while ``< below``."""
+    out, b = [], int(first)
+    while b < below:
+        out.append(b)
+        b *= int(factor)
+    return tuple(out)
+
+
 def _window_buckets(max_len: int, block_size: int, factor: float = 2) -> tuple[int, ...]:
     """Window sizes: 128, then each ``factor`` times the last rounded up to the block size, ... and
     the longest (``factor`` 2: 128, 256, 512, ...; 1.5: 128, 192, 288, 432, ...); a bucket within
@@ -159,9 +168,7 @@ class Engine:
         self.window_factor = float(window_factor)
         self.window_buckets = _window_buckets(self.max_len, self.block_size, self.window_factor)
         # a decode batch's own positions after a shared prefix: 2, 4, ... blocks, then the windows
-        self.own_window_buckets = tuple(
-            b for b in (2 * self.block_size * 2 ** i for i in range(8)) if b < self.window_buckets[0]
-        ) + self.window_buckets
+        self.own_window_buckets = _ladder(2 * self.block_size, 2, self.window_buckets[0]) + self.window_buckets
         per_token = kv_bytes_per_token(sampler.config, sampler.cache_dtype or sampler.config.dtype)
         if kv_cache_tokens is None:
             if kv_cache_bytes is None:
@@ -172,7 +179,7 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens} is less than one block of {self.block_size}")
         # Coarse shape buckets (x r): every bucket is a program to compile.
-        chunk_buckets = tuple(16 * r ** i for i in range(64) if 16 * r ** i < prefill_chunk) + (int(prefill_chunk),)
+        chunk_buckets = _ladder(16, r, int(prefill_chunk)) + (int(prefill_chunk),)
         self.runner = ModelRunner(sampler.graphdef, sampler.rest, sampler.config, num_blocks=num_blocks,
                                   block_size=self.block_size, cache_dtype=sampler.cache_dtype,
                                   unroll_layers=unroll_layers)
@@ -180,7 +187,7 @@ class Engine:
         self.cache = PrefixCache(self.pool, self.block_size, enabled=enable_prefix_cache,
                                  version=sampler.weight_version)
         max_rows = max(1, int(max_prefill_tokens) // chunk_buckets[0])
-        self.prefill_row_buckets = tuple(r ** i for i in range(64) if r ** i <= max_rows)
+        self.prefill_row_buckets = _ladder(1, r, max_rows + 1)
         self.scheduler = Scheduler(self.pool, self.cache, max_seqs=self.max_batch, decode_steps=self.decode_steps,
                                    prefill_chunk=int(prefill_chunk), max_prefill_tokens=int(max_prefill_tokens),
                                    chunk_buckets=chunk_buckets, row_buckets=self.prefill_row_buckets,

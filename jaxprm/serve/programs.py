@@ -249,8 +249,8 @@ def prefill_arrays(rows, R: int, C: int, nb: int) -> tuple[np.ndarray, np.ndarra
     return tokens, positions, tables
 
 
-def decode_arrays(rows, B: int, nb: int, *, shared_blocks: int = 0, ns: int = 0, block_size: int = 16
-                  ) -> tuple[dict[str, np.ndarray], int, bool]:
+def decode_arrays(rows, B: int, nb: int, *, shared_blocks: int = 0, ns: int = 0,
+                  block_size: int | None = None) -> tuple[dict[str, np.ndarray], int, bool]:
     """Inputs of one decode call for these sequences padded to ``B`` rows (inactive padding), and
     the program variant: ``top_n`` (``MAX_TOP_LOGPROBS`` if any row wants alternatives, else 0)
     and ``filtering`` (any sampled row with top-k or top-p). With ``ns``: the rows' first

@@ -292,7 +292,7 @@ class Scheduler:
         ``n``'s own bucket (prefill is compute-bound: 150 tokens cost 128 + 32 slots, not 256)."""
         c = bucket_for(n, self.chunk_buckets, "prefill chunk")
         below = [b for b in self.chunk_buckets if b < n]
-        if self.cut_padded_chunks and below and below[-1] + bucket_for(n - below[-1], self.chunk_buckets, "") < c:
+        if self.cut_padded_chunks and below and below[-1] + bucket_for(n - below[-1], self.chunk_buckets, "prefill chunk") < c:
             return below[-1]
         return n
 
