@@ -420,9 +420,9 @@ class GenerationClient:
                 await self._send("GET", "/health", None, endpoint=ep)
             except GenerationError as e:
                 if e.status is None:
-                    raise GenerationError(f"generation server {ep} unreachable: {e}") from None
+                    raise GenerationError(f"generation server {ep} unreachable: {e}") from e
                 if e.status != 404:
-                    raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from None
+                    raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from e
                 await self._send("GET", "/v1/models", None, endpoint=ep)
 
     async def probe_token_io(self, prompt: Sequence[int]) -> None:
@@ -443,12 +443,12 @@ class GenerationClient:
                 unanswered = isinstance(e, GenerationError) and not isinstance(e, TextOnlyResponseError)
                 if unanswered and e.status is None:  # a timeout or a lost connection is not a refusal
                     raise GenerationError(f"the generation server {ep} did not answer a one-token token-id "
-                                          f"request: {detail}") from None
+                                          f"request: {detail}") from e
                 raise GenerationError(
                     f"the generation server {ep} does not accept token-in/token-out requests ({self.config.dialect} "
                     f"dialect: a prompt of token ids, token ids and log-probs in the answer): {detail}. Training "
                     "needs the sampled tokens: use vLLM >= 0.10.2 (server.dialect: vllm), SGLang's /generate "
-                    "(server.dialect: sglang) or python -m jaxprm.serve") from None
+                    "(server.dialect: sglang) or python -m jaxprm.serve") from e
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
         """``POST /update_weights_from_disk`` (SGLang's route, also the embedded server's) on every

@@ -108,6 +108,28 @@ class GroupRejected(RolloutError):
         self.group_key = group_key
         self.kind = kind
 
+    @property
+    def causes(self) -> list[str]:
+        """The type names down the ``__cause__`` chain, outermost first (e.g. ``["ScoringRejected",
+        "ScorerHTTPError"]``): what the trainer's ``branch_rejected`` counts and log lines name."""
+        if self.__cause__ is None:  # unpickled on another process: the names travelled, not the chain
+            return list(self.__dict__.get("_cause_names", []))
+        names, err, seen = [], self.__cause__, set()
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            names.append(type(err).__name__)
+            err = err.__cause__
+        return names
+
+    def __reduce__(self):
+        return _unpickle_group_rejected, (str(self), self.group_key, self.kind, self.causes)
+
+
+def _unpickle_group_rejected(message: str, group_key: str, kind: str, causes: list[str]) -> GroupRejected:
+    err = GroupRejected(message, group_key=group_key, kind=kind)
+    err._cause_names = causes
+    return err
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
@@ -345,14 +367,21 @@ _seed = request_seed
 
 
 async def _gather(coros: Sequence[Any]) -> list[Any]:
-    """Run concurrently; on the first failure cancel the rest and raise it (cancellation propagates)."""
+    """Run concurrently; on the first failure cancel the rest and raise it (cancellation propagates).
+
+    The error is raised as its raiser built it: outside the ``except`` block, so Python neither
+    overwrites its ``__cause__`` (the scorer's error under a :class:`GroupRejected`) nor sets the
+    TaskGroup's ``ExceptionGroup`` as its context."""
     tasks: list[asyncio.Task] = []
+    first: BaseException | None = None
     try:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(c) for c in coros]
     except BaseExceptionGroup as eg:
         errs = [e for e in eg.exceptions if not isinstance(e, asyncio.CancelledError)]
-        raise (errs[0] if errs else eg.exceptions[0]) from None
+        first = errs[0] if errs else eg.exceptions[0]
+    if first is not None:
+        raise first
     return [t.result() for t in tasks]
 
 

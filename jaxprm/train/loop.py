@@ -488,7 +488,8 @@ class _Job:
             fstats["dynamic_token_capped"] = float(capped)
         data_pos = self.stream.pos
         for r in branch_rejected:
-            self.log(f"branch scorer rejected group {r.group_key}: {r}")
+            cause = f" [cause: {' <- '.join(r.causes)}]" if r.causes else ""
+            self.log(f"branch scorer rejected group {r.group_key}: {r}{cause}")
         desc = describe_groups(groups)
         self._keep_example_tree(groups)
         row: dict[str, Any] = {
@@ -505,6 +506,9 @@ class _Job:
         if branch_rejected:
             row["branch_rejected_groups"] = len(branch_rejected)
             row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
+            # the innermost error of each rejection (the scorer's own: ScorerHTTPError, ConnectionError, ...)
+            row.update({f"branch_rejected_cause/{k}": n for k, n in
+                        collections.Counter(r.causes[-1] for r in branch_rejected if r.causes).items()})
         return _Collected(step, row, kept, rewards, [group_version(g, served) for g in kept], data_pos, rollout, scoring)
 
     def _learn_or_skip(self, step: int, learn) -> dict[str, Any]:

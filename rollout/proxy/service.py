@@ -300,7 +300,7 @@ class RecordingProxy:
                 session.abort(rec)
             if isinstance(e, GenerationError):
                 self.counters["upstream_errors"] += 1
-                raise ProxyError(502, f"upstream generation failed: {e}") from None
+                raise ProxyError(502, f"upstream generation failed: {e}") from e
             raise
         resp = gen.response
         text = gen.text if gen.text is not None else self.tokenizer.decode(resp.output_tokens.tolist())

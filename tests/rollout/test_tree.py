@@ -308,6 +308,40 @@ def test_bad_scores_are_rejected(serve, prompts):
         run(_group(srv.url, cfg, prompts=prompts))
 
 
+@pytest.mark.parametrize("judge", ["answers_500", "down"])
+def test_a_rejected_group_keeps_the_scorers_error_as_its_cause(serve, prompts, judge):
+    # issue 43: _gather re-raised with ``from None``, so the caller saw GroupRejected <- ExceptionGroup
+    from scorers import LLMJudgeScorer, ScoringRejected
+    from scorers._http import ScorerHTTPError
+    from tests.scorers.scorer_http_server import ScriptedServer as JudgeServer
+
+    srv = serve()
+    judge_srv = JudgeServer().start()
+    try:
+        judge_srv.defaults["chat"] = {"status": 500}
+        url = judge_srv.url
+        if judge == "down":
+            judge_srv.stop()
+        scorer = LLMJudgeScorer(url, "judge", max_retries=1, backoff_s=0.0, timeout_s=5.0)
+        cfg = TreeConfig(strategy="patr", b0=2, k=1, max_turns=3, sampling=SAMPLING)
+        with pytest.raises(GroupRejected, match="g0") as info:
+            run(_group(srv.url, cfg, scorer=scorer, prompts=prompts))
+    finally:
+        judge_srv.stop()
+    rejected = info.value
+    assert isinstance(rejected.__cause__, ScoringRejected), repr(rejected.__cause__)
+    http_err = rejected.__cause__.__cause__
+    assert isinstance(http_err, ScorerHTTPError) and len(http_err.attempts) == 2
+    if judge == "answers_500":
+        assert all("500" in a for a in http_err.attempts) and "scripted failure" in str(http_err)
+    assert rejected.causes == ["ScoringRejected", "ScorerHTTPError"]
+    # the trainer gathers rejections across processes pickled: the names travel with them
+    import pickle
+    back = pickle.loads(pickle.dumps(rejected))
+    assert (back.group_key, back.kind, back.causes, str(back)) == (
+        rejected.group_key, rejected.kind, rejected.causes, str(rejected))
+
+
 def test_cancelling_a_group_leaves_no_task_running(serve, tok, prompts):
     srv = serve(ServerScript(policy=hashed_action_policy(tok), delay_s=0.3))
     cfg = TreeConfig(strategy="flat", group_size=4, max_turns=5, sampling=SAMPLING)

@@ -79,6 +79,9 @@ def test_faulty_groups_are_dropped_with_their_reason_and_training_goes_on(tmp_pa
     (row,) = [r for r in rows if r["kind"] == "train"]
     # the branch scorer rejected exactly group 0 at rollout; scoring rejected exactly groups 1-4, each for its reason
     assert row["branch_rejected_groups"] == 1 and row["branch_rejected/failed"] == 1
+    # ... and its counts and log line name the scorer's own error under ScoringRejected (issue 43)
+    assert row["branch_rejected_cause/RuntimeError"] == 1
+    assert any("rejected group g10000" in m and m.endswith("[cause: ScoringRejected <- RuntimeError]") for m in logs)
     assert row["prm_rejected_groups"] == 4
     assert {k: row[k] for k in row if k.startswith("prm_rejected/")} == {
         "prm_rejected/failed": 1, "prm_rejected/invalid": 1, "prm_rejected/timeout": 1, "prm_rejected/out_of_range": 1}
@@ -96,6 +99,26 @@ def test_faulty_groups_are_dropped_with_their_reason_and_training_goes_on(tmp_pa
     assert fault_scorers.SEEN["server_alive_at_scorer_close"] is True
     assert any("closing the process-reward scorers failed: RuntimeError: injected aclose failure" in m for m in logs)
     assert set(_server_threads()) <= before and not _open_files_under(Path(summary.run_dir))
+
+
+def test_a_judge_that_answers_500_rejects_groups_and_the_counts_name_its_http_error(tmp_path):
+    logs: list[str] = []
+    judge = ScorerServer().start()
+    judge.defaults["chat"] = {"status": 500}
+    try:
+        cfg = load_config(ROOT / "configs/patr_judge.yaml", [
+            *SMALL, "steps=1", "rollout.tasks_per_step=2", "eval.num_tasks=1", "env.max_turns=2", "rollout.k=1",
+            f"rollout.branch_scorer.kwargs.base_url={judge.url}", "rollout.branch_scorer.kwargs.max_retries=1",
+            "rollout.branch_scorer.kwargs.backoff_s=0", f"run_dir={tmp_path / 'run'}"])
+        summary = train(cfg, log=logs.append)
+    finally:
+        judge.stop()
+    (row,) = [r for r in read_metrics(Path(summary.run_dir) / "metrics.jsonl") if r["kind"] == "train"]
+    assert row["branch_rejected_groups"] == 2 and row["branch_rejected_cause/ScorerHTTPError"] == 2
+    assert row["kept_groups"] == 0
+    lines = [m for m in logs if "branch scorer rejected group" in m]
+    assert len(lines) == 2 and all("HTTP 500" in m and m.endswith("[cause: ScoringRejected <- ScorerHTTPError]")
+                                   for m in lines)
 
 
 def test_a_scorer_that_fails_at_startup_stops_the_run_and_closes_everything(tmp_path):
