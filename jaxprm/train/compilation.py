@@ -254,7 +254,8 @@ class PhaseTimes:
     to ``compile`` (measured by :data:`METER`). Phases may nest (a nested phase's time is its own,
     not its parent's). ``programs`` / ``cache_hits``: programs compiled / loaded from the cache."""
 
-    ORDER = ("setup", "warm_start", "compile", "rollout", "score", "learn", "sync", "eval", "checkpoint")
+    ORDER = ("setup", "warm_start", "compile", "rollout", "score", "learn", "sync", "eval", "checkpoint",
+             "export", "other")
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.ORDER, 0.0)
@@ -273,8 +274,10 @@ class PhaseTimes:
             self._stack.pop()
             dc = METER.snapshot() - c0
             span.wall, span.compile = time.perf_counter() - t0, dc.seconds
-            own_compile = dc.seconds - span._child_compile
-            self.seconds[name] += span.wall - span._child_wall - own_compile
+            own_wall = span.wall - span._child_wall
+            # compilation inside this phase (not its children's), never more than the phase's own time
+            own_compile = min(max(dc.seconds - span._child_compile, 0.0), own_wall)
+            self.seconds[name] += own_wall - own_compile
             self.seconds["compile"] += own_compile
             if self._stack:
                 self._stack[-1]._child_wall += span.wall
@@ -282,3 +285,11 @@ class PhaseTimes:
             else:
                 self.programs += dc.count
                 self.cache_hits += dc.cache_hits
+
+    def account(self, wall_s: float) -> dict[str, float]:
+        """Seconds per phase for a run of ``wall_s`` seconds, in :attr:`ORDER`, with ``other`` the
+        time no phase measured (interpreter and JAX start-up, shutdown, log writing): the values are
+        all >= 0 and sum to ``wall_s`` (unless the phases overran it, when ``other`` is 0)."""
+        out = dict(self.seconds)
+        out["other"] = max(wall_s - sum(v for k, v in out.items() if k != "other"), 0.0)
+        return out

@@ -551,14 +551,22 @@ class _Job:
 
     async def run(self) -> Summary:
         try:
-            summary = await self._run()
+            first_eval, last_eval = await self._run()
         except BaseException as err:
             await self.cleanup.aclose(err)
             raise
         await self.cleanup.aclose(None)
+        # after shutdown, so that the phases (with ``other`` for the unmeasured rest) cover the whole run
+        wall = time.perf_counter() - self.t_start
+        summary = Summary(run_dir=str(self.run_dir), steps=self.cfg.steps, warm_start=self.warm_report,
+                          first_eval=first_eval, last_eval=last_eval, wall_s=wall, timings=self.times.account(wall),
+                          compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
+                          compile_top=self._compile_top(), background_compile=self._background())
+        if self.primary:
+            (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
         return summary
 
-    async def _run(self) -> Summary:
+    async def _run(self) -> tuple[dict | None, dict | None]:
         cfg = self.cfg
         self.gen = Generation(cfg, self.policy, self.run_dir, self.log)
         self.cleanup.push("generation server and client", self.gen.aclose)
@@ -625,6 +633,17 @@ class _Job:
         self.ckpt.wait()
         if self.multi:  # this host's copy of the final weights (for the export below)
             self.policy.params = multihost.host_copy(self.state.params)
+        with self.times.phase("export"):
+            self._export_outputs()
+        if first_eval is not None and "step" in first_eval:
+            first_eval = {k: v for k, v in first_eval.items() if k != "kind"}
+        if last_eval is not None:
+            last_eval = {k: v for k, v in last_eval.items() if k != "kind"}
+        return first_eval, last_eval
+
+    def _export_outputs(self) -> None:
+        """The finished run's plots and its HuggingFace-format policy (process 0 only)."""
+        cfg = self.cfg
         if cfg.plots and self.primary:
             try:
                 plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
@@ -634,19 +653,6 @@ class _Job:
                 self.log(f"plots failed: {type(e).__name__}: {e}")
         if cfg.export_final and self.primary:
             save_pretrained(self.policy.module(), self.policy.tokenizer, self.run_dir / "policy")
-        if first_eval is not None and "step" in first_eval:
-            first_eval = {k: v for k, v in first_eval.items() if k != "kind"}
-        if last_eval is not None:
-            last_eval = {k: v for k, v in last_eval.items() if k != "kind"}
-        summary = Summary(run_dir=str(self.run_dir), steps=cfg.steps, warm_start=self.warm_report,
-                          first_eval=first_eval, last_eval=last_eval,
-                          wall_s=time.perf_counter() - self.t_start, timings=dict(self.times.seconds),
-                          compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
-                          compile_top=self._compile_top(), background_compile=self._background())
-        if self.primary:
-            (self.run_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(summary), indent=1, default=str))
-        return summary
-
 
     def _background(self) -> list[float] | None:
         if self.precompiler is None:

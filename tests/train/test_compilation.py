@@ -41,6 +41,23 @@ def test_phases_nest_and_compilation_is_its_own_phase():
     assert times.programs >= 1
 
 
+def test_the_phases_account_for_the_whole_wall_time_and_none_is_negative():
+    times = PhaseTimes()
+    t0 = time.perf_counter()
+    time.sleep(0.02)  # measured by no phase: lands in "other"
+    with times.phase("learn"):
+        jax.jit(lambda x: jnp.sin(x) * 7)(jnp.ones(17))
+    with times.phase("export"):
+        pass
+    wall = time.perf_counter() - t0
+    timings = times.account(wall)
+    assert list(timings) == list(PhaseTimes.ORDER)
+    assert all(v >= 0 for v in timings.values())
+    assert abs(sum(timings.values()) - wall) < 1e-9
+    assert timings["other"] >= 0.02
+    assert times.account(0.0)["other"] == 0.0  # phases that overran the wall never make "other" negative
+
+
 _PROGRAM = """
 import jax, jax.numpy as jnp
 from jaxprm.train.compilation import METER, enable_persistent_cache

@@ -61,9 +61,13 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert model.config.vocab_size == tok.vocab_size
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["last_eval"]["step"] == 2
-    assert set(summary["timings"]) == {"setup", "warm_start", "compile", "rollout", "score", "learn", "sync", "eval",
-                                       "checkpoint"}
-    assert summary["compiled_programs"] > 0 and abs(sum(summary["timings"].values()) - summary["wall_s"]) < 0.2 * summary["wall_s"]
+    # the breakdown's structure, not its timings: every phase, none negative, summing to the wall time
+    from jaxprm.train.compilation import PhaseTimes
+
+    assert list(summary["timings"]) == list(PhaseTimes.ORDER) and "other" in PhaseTimes.ORDER
+    assert all(v >= 0 for v in summary["timings"].values())
+    assert sum(summary["timings"].values()) == pytest.approx(summary["wall_s"], rel=1e-6)
+    assert summary["compiled_programs"] > 0
 
 
 @pytest.mark.slow
