@@ -675,7 +675,7 @@ class _GroupRun:
                     continue
                 break
         if self._entropies:
-            self.stats.entropy_mean = sum(self._entropies) / len(self._entropies)
+            self.stats.entropy_mean = math.fsum(self._entropies) / len(self._entropies)  # order-independent
         self.stats.wall_s = time.perf_counter() - t_start
         all_leaves = [LeafRecord(leaf_id=b.last_id, branch_id=b.id, outcome_reward=b.reward, status=b.status,
                                  turns=b.depth, truncated=b.truncated, origin=b.origin, score=b.score)

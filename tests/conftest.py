@@ -1,5 +1,6 @@
 """Shared test configuration and fixtures."""
 
+import gc
 import os
 import socket
 
@@ -8,6 +9,32 @@ import pytest
 # Keep XLA on the CPU and quiet; tests must never need an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+# Longest modules first: pytest-xdist hands out whole modules in collection order, so the last ones
+# to start should be short (otherwise one worker finishes a minute-long trainer module alone).
+_HEAVY_FIRST = ("tests/train/test_multihost.py", "tests/train/test_overlap.py", "tests/train/test_step.py",
+                "tests/train/test_packed.py", "tests/train/test_compilation.py", "tests/train/", "tests/serve/",
+                "tests/models/", "tests/learner/")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, prefix in enumerate(_HEAVY_FIRST) if path.startswith(prefix)), len(_HEAVY_FIRST))
+
+    items.sort(key=rank)  # stable: the order inside a module, and of modules within a rank, is kept
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_jax_caches_after_each_module():
+    """Drop the module's compiled programs and dead servers' buffers: without this a worker's
+    memory grows with every module it runs."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
 """The learner on JAX's multi-controller runtime: two local processes x 4 CPU devices each (gloo
 collectives) run one train step on a global (data x fsdp) mesh, and its loss, gradient norm and
-parameter update equal the single-process 8-device step's."""
+parameter update equal the single-process 8-device step's.
+
+Slow: ``tests/train/test_multihost.py`` checks the same equality (2 processes x 4 devices against
+1 x 8) through the whole trainer in the default suite."""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.train.test_step import _run_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 _WORKER = r"""
 import json, sys

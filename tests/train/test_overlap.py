@@ -104,8 +104,8 @@ SMALL = ["env.train_tasks=16", "env.eval_tasks=2", "eval.num_tasks=2", "eval.sam
          "warm_start.steps=20", "warm_start.batch_size=4", "progress=false", "plots=false", "export_final=false",
          "compile_cache.precompile=false", "eval.every_steps=100", "eval.at_start=false", "steps=4",
          "checkpoint.every_steps=100"]
-DATA = ("reward", "success", "trajectories", "sampled_actions", "generated_tokens", "kept_groups", "rows", "loss",
-        "grad_norm")
+DATA = ("reward", "success", "trajectories", "sampled_actions", "generated_tokens", "kept_groups", "rows")
+LEARNED = ("loss", "grad_norm")  # equal up to float rounding: the server may batch the requests differently
 
 
 def test_max_staleness_zero_is_the_synchronous_loop_and_one_overlaps_within_the_bound(tmp_path):
@@ -120,6 +120,8 @@ def test_max_staleness_zero_is_the_synchronous_loop_and_one_overlaps_within_the_
     sync = run("sync")
     zero = run("zero", "rollout.asynchronous=true", "rollout.max_staleness=0")
     assert [{k: r[k] for k in DATA} for r in zero] == [{k: r[k] for k in DATA} for r in sync]
+    for z, s in zip(zero, sync):
+        assert [z[k] for k in LEARNED] == pytest.approx([s[k] for k in LEARNED], rel=1e-5, abs=1e-7)
     assert all(r["staleness_max"] == 0 and r["stale_dropped_groups"] == 0 for r in zero)
     one = run("one", "rollout.asynchronous=true", "rollout.max_staleness=1", "ppo.decoupled=true")
     assert [r["step"] for r in one] == [1, 2, 3, 4]
