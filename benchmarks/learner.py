@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -71,23 +72,20 @@ def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, An
     """PaTR groups with the default trainer settings against the scripted navigator."""
     from benchmarks.rollout import _scorer, _start_server
     from rollout.chat import PromptBuilder
-    from rollout.client import ClientConfig, GenerationClient, SamplingParams
+    from rollout.client import ClientConfig, GenerationClient
     from rollout.envs import make_tasks
     from rollout.export import group_rows
     from rollout.stats import describe_groups
     from rollout.testing import make_test_tokenizer
-    from rollout.tree import TreeConfig, run_groups
+    from rollout.tree import run_groups
 
     from jaxprm.train.config import TrainConfig
-    from jaxprm.train.adapters import env_factory
+    from jaxprm.train.adapters import env_factory, tree_config
 
-    cfg = TrainConfig()
-    r, e = cfg.rollout, cfg.env
+    cfg = dataclasses.replace(TrainConfig(), seed=seed)
+    e = cfg.env
     tasks, _ = make_tasks(seed, n_groups, 0, sizes=(e.size,), p_frozen=e.p, max_turns=e.max_turns)
-    tree = TreeConfig(strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k,
-                      alpha=r.alpha, theta=r.theta, max_turns=e.max_turns, max_branches=r.max_branches or r.group_size,
-                      refill=r.refill, group_mode=r.keep, seed=seed,
-                      sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p))
+    tree = tree_config(cfg, max_context=None)  # the trainer's own mapping, so nothing is lost on the way
     proc, url = _start_server(0.6)
     try:
         async def go():

@@ -28,12 +28,12 @@ import asyncio
 import dataclasses
 import hashlib
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxprm.inprocess import ThreadedServer
 from rollout.chat import CHATML_TEMPLATE, JinjaChatTokenizer
 
 __all__ = [
@@ -381,33 +381,26 @@ class ScriptedServer:
     """
 
     def __init__(self, script: ServerScript, tokenizer: JinjaChatTokenizer):
-        import uvicorn
-
         self.script = script
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(script, tokenizer), log_level="error", lifespan="off",
-                                timeout_keep_alive=30, timeout_graceful_shutdown=0.05)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self.app = build_app(script, tokenizer)
+        self._http: ThreadedServer | None = None
+
+    @property
+    def port(self) -> int:
+        return self._http.port
+
+    @property
+    def url(self) -> str:
+        return self._http.url
 
     def start(self) -> ScriptedServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("scripted server did not start")
-            time.sleep(0.005)
+        self._http = ThreadedServer(self.app, name="scripted", startup_timeout_s=10, log_level="error",
+                                    timeout_keep_alive=30, timeout_graceful_shutdown=0.05)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._server.force_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        if self._http is not None:
+            self._http.stop(10, force=True)
 
     def __enter__(self) -> ScriptedServer:
         return self.start()

@@ -22,8 +22,8 @@ A *group* is every trajectory sampled for one task. All strategies share the sam
                 (from the root if none), one slot at a time (up to B0 at once)
             arpo: restart one branch from the root (ARPO restarts a finished sample from its prompt)
 
-``max_branches`` is a hard cap on live + finished branches, so with refill a tree group has exactly
-``max_branches`` trajectories, the same budget as a flat group of that size (dead slots left by
+``max_branches`` (default ``group_size``) is a hard cap on live + finished branches, so with refill a
+tree group has exactly that many trajectories, the same budget as a flat group of that size (dead slots left by
 branches that fell into holes early are refilled rather than lost). ``"dapo"`` rolls out exactly
 like ``"flat"`` (DAPO's dynamic sampling and overlong shaping live in the trainer).
 
@@ -32,11 +32,11 @@ is stopped right after that turn, for every strategy (so that a loop does not bu
 interval); with ``theta_at="checkpoint"`` (the PaTR paper) the rule is checked only among the
 active branches at a tree checkpoint, just before scoring, so flat / dapo / arpo groups never
 loop-stop. Pruned and loop-stopped branches stay in the group as negatives under
-``group_mode="keep_all"`` and are dropped under ``"best_n"``.
+``keep="keep_all"`` and are dropped under ``"best_n"``.
 
 ARPO's entropy of a turn is the mean of the per-token entropies of its response's first
-``arpo_entropy_tokens`` tokens (:attr:`rollout.client.Generated.entropies`, the top
-``arpo_top_logprobs`` distribution renormalised; arpo requests ask for them); ``H_init`` is the
+``arpo.entropy_tokens`` tokens (:attr:`rollout.client.Generated.entropies`, the top
+``arpo.top_logprobs`` distribution renormalised; arpo requests ask for them); ``H_init`` is the
 entropy of the first turn of a branch's lineage (children inherit it). The ``u`` draws come from a
 generator seeded by (config seed, group seed, round index).
 
@@ -59,10 +59,11 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from jaxprm.fields import require
 from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
 from rollout.client import MAX_TOP_LOGPROBS, Generated, GenerationClient, SamplingParams
 from rollout.envs.base import Env
@@ -72,6 +73,7 @@ from scorers import BaseScorer, ScoringRejected, score_branch
 __all__ = [
     "request_seed",
     "TreeConfig",
+    "TreeParams",
     "LeafRecord",
     "CheckpointStats",
     "GroupStats",
@@ -82,6 +84,7 @@ __all__ = [
     "run_groups",
     "STRATEGIES",
     "FLAT_STRATEGIES",
+    "ARPOParams",
     "GROUP_MODES",
     "THETA_AT",
 ]
@@ -131,39 +134,58 @@ def _unpickle_group_rejected(message: str, group_key: str, kind: str, causes: li
     return err
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeConfig:
-    """How one group is rolled out.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ARPOParams:
+    """``strategy="arpo"`` (ARPO's entropy-adaptive branching; the published script's values). After
+    every turn a live branch forks ``beam_size - 1`` copies when
+    ``clip(u - entropy_weight * (H_now - H_init), 0, 1) <= branch_probability`` (``u ~ U(0, 1)``,
+    ``H_init`` the entropy of its lineage's first turn) while the group budget lasts. A turn's
+    entropy is the mean over its first ``entropy_tokens`` tokens of the ``top_logprobs`` (1..20)
+    distribution renormalised. Validated whatever the strategy, so that a bad value fails early."""
+
+    entropy_weight: float = 0.2
+    branch_probability: float = 0.5
+    beam_size: int = 2
+    top_logprobs: int = 20
+    entropy_tokens: int = 20
+
+    def __post_init__(self) -> None:
+        owner = type(self)
+        require(self.beam_size >= 2, "beam_size", f"must be >= 2 (one copy per branching), got {self.beam_size}", owner)
+        require(self.entropy_weight >= 0, "entropy_weight", f"must be >= 0, got {self.entropy_weight}", owner)
+        require(0 <= self.branch_probability <= 1, "branch_probability",
+                f"must be in [0, 1], got {self.branch_probability}", owner)
+        require(1 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                f"must be in [1, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}", owner)
+        require(self.entropy_tokens >= 1, "entropy_tokens", f"must be >= 1, got {self.entropy_tokens}", owner)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeParams:
+    """The shape of a rollout group: what a user chooses (the trainer's ``rollout`` YAML section is
+    these fields and its own; :class:`TreeConfig` adds what a run supplies).
 
     Attributes:
       strategy: ``"flat"`` (``group_size`` independent samples), ``"dapo"`` (rolled out as flat),
         ``"tree_random"`` (random scores), ``"patr"`` (branch scorer) or ``"arpo"`` (entropy-adaptive
-        branching after every turn; needs ``max_branches``).
-      group_size: flat / dapo group size G.
+        branching after every turn).
+      group_size: flat / dapo group size G; trees: the branch budget when ``max_branches`` is unset.
       b0: initial branches of a tree. k: turns between checkpoints. m: children per expansion.
-      top_k: branches expanded per checkpoint. alpha: prune margin below the median score.
+      top_k: branches expanded per checkpoint. alpha: prune margin below the median score (the
+        paper's 0.5; a branch scoring below ``median - alpha`` is pruned).
       theta: identical consecutive actions that stop a branch (``None``: never). The action is the
         env's ``info["action"]`` (FrozenLake: the parsed move, ``None`` for an invalid answer, so
         repeated invalid answers count as a loop too), else the stripped answer text.
       theta_at: ``"turn"`` (check the theta rule after every turn, every strategy) or
-        ``"checkpoint"`` (only among the active branches at a tree checkpoint, before scoring).
-      max_turns: turns per trajectory.
-      max_branches: hard cap on live + finished branches of a tree (``None``: no cap).
+        ``"checkpoint"`` (the paper: only among the active branches at a tree checkpoint).
+      max_branches: hard cap on live + finished branches of a tree (``None``: ``group_size``).
+      keep: ``"keep_all"`` or ``"best_n"`` (drop pruned and loop-stopped branches from the group).
       refill: when every branch has ended and slots are free, branch again (see module doc; arpo:
         restart from the root, one branch per round).
-      beam_size: arpo: a branching branch adds ``beam_size - 1`` copies (within the budget).
-      arpo_entropy_weight: arpo: ``w`` in ``p = clip(u - w * (H_now - H_init), 0, 1)``.
-      arpo_branch_probability: arpo: fork when ``p <=`` this.
-      arpo_top_logprobs: arpo: alternatives per token requested for the entropy (1..20).
-      arpo_entropy_tokens: arpo: a turn's entropy is the mean over its first this-many tokens.
-      group_mode: ``"keep_all"`` or ``"best_n"`` (drop pruned and loop-stopped branches).
-      sampling: request sampling options (the seed is set per request).
-      max_context_tokens: stop a branch whose next prompt plus ``max_tokens`` would exceed this.
-      seed: base seed for per-request seeds and Tree-Random scores.
-      score_timeout_s / env_timeout_s: bounds on one scorer call / one env step.
+      arpo: :class:`ARPOParams`.
     """
 
-    strategy: str = "patr"
+    strategy: Literal[STRATEGIES] = "patr"
     group_size: int = 8
     b0: int = 4
     k: int = 5
@@ -171,56 +193,28 @@ class TreeConfig:
     top_k: int = 2
     alpha: float = 0.5
     theta: int | None = 6
-    max_turns: int = 10
-    max_branches: int | None = 8
+    theta_at: Literal[THETA_AT] = "turn"
+    max_branches: int | None = None
+    keep: Literal[GROUP_MODES] = "keep_all"
     refill: bool = True
-    group_mode: str = "keep_all"
-    theta_at: str = "turn"
-    beam_size: int = 2
-    arpo_entropy_weight: float = 0.2
-    arpo_branch_probability: float = 0.5
-    arpo_top_logprobs: int = 20
-    arpo_entropy_tokens: int = 20
-    sampling: SamplingParams = SamplingParams()
-    max_context_tokens: int | None = None
-    seed: int = 0
-    score_timeout_s: float = 60.0
-    env_timeout_s: float = 60.0
+    arpo: ARPOParams = dataclasses.field(default_factory=ARPOParams)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r}; allowed: {STRATEGIES}")
-        if self.group_mode not in GROUP_MODES:
-            raise ValueError(f"group_mode={self.group_mode!r}; allowed: {GROUP_MODES}")
-        for name in ("group_size", "b0", "k", "m", "top_k", "max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}; must be >= 1")
-        if self.m < 2 and self.strategy in SCORED_STRATEGIES:
-            raise ValueError(f"m={self.m}; an expansion needs at least 2 children")
-        if self.theta is not None and self.theta < 2:
-            raise ValueError(f"theta={self.theta}; must be >= 2 or None")
-        if self.theta_at not in THETA_AT:
-            raise ValueError(f"theta_at={self.theta_at!r}; allowed: {THETA_AT}")
-        if self.max_branches is not None and self.max_branches < self.b0 and self.tree_mode:
-            raise ValueError(f"max_branches={self.max_branches} < b0={self.b0}")
-        if self.strategy == "arpo" and self.max_branches is None:
-            raise ValueError("strategy 'arpo' needs max_branches (its branching budget)")
-        if self.alpha < 0:
-            raise ValueError(f"alpha={self.alpha}; must be >= 0")
-        self._check_arpo()
-
-    def _check_arpo(self) -> None:
-        """Validate the ARPO fields (whatever the strategy, so that a bad config fails early)."""
-        if self.beam_size < 2:
-            raise ValueError(f"beam_size={self.beam_size}; must be >= 2 (one copy per branching)")
-        if not self.arpo_entropy_weight >= 0:
-            raise ValueError(f"arpo_entropy_weight={self.arpo_entropy_weight}; must be >= 0")
-        if not 0 <= self.arpo_branch_probability <= 1:
-            raise ValueError(f"arpo_branch_probability={self.arpo_branch_probability}; must be in [0, 1]")
-        if not 1 <= self.arpo_top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"arpo_top_logprobs={self.arpo_top_logprobs}; must be in [1, {MAX_TOP_LOGPROBS}]")
-        if self.arpo_entropy_tokens < 1:
-            raise ValueError(f"arpo_entropy_tokens={self.arpo_entropy_tokens}; must be >= 1")
+        owner = type(self)
+        require(self.strategy in STRATEGIES, "strategy", f"got {self.strategy!r}; allowed: {STRATEGIES}", owner)
+        require(self.keep in GROUP_MODES, "keep", f"got {self.keep!r}; allowed: {GROUP_MODES}", owner)
+        require(self.theta_at in THETA_AT, "theta_at", f"got {self.theta_at!r}; allowed: {THETA_AT}", owner)
+        for name in ("group_size", "b0", "k", "m", "top_k"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}", owner)
+        require(self.m >= 2 or self.strategy not in SCORED_STRATEGIES, "m",
+                f"an expansion needs at least 2 children, got {self.m}", owner)
+        require(self.theta is None or self.theta >= 2, "theta", f"must be >= 2 or null, got {self.theta}", owner)
+        require(math.isfinite(self.alpha) and self.alpha >= 0, "alpha", f"must be >= 0, got {self.alpha}", owner)
+        require(self.max_branches is None or self.max_branches >= 1, "max_branches",
+                f"must be >= 1 (or null: group_size), got {self.max_branches}", owner)
+        require(not self.tree_mode or self.budget >= self.b0, "max_branches",
+                f"the branch budget ({self.budget}) must be >= b0 ({self.b0})", owner)
+        require(self.top_k <= self.b0 * 64, "top_k", f"unreasonably large ({self.top_k} for b0={self.b0})", owner)
 
     @property
     def tree_mode(self) -> bool:
@@ -228,11 +222,49 @@ class TreeConfig:
         return self.strategy not in FLAT_STRATEGIES
 
     @property
-    def target_size(self) -> int | None:
-        """Trajectories per group when every slot is used (flat, dapo: G; tree with refill: cap)."""
+    def budget(self) -> int:
+        """Trajectories a group may hold: ``group_size`` for flat and dapo, else the branch cap
+        ``max_branches`` (``group_size`` when unset)."""
         if not self.tree_mode:
             return self.group_size
-        return self.max_branches if self.refill else None
+        return self.max_branches or self.group_size
+
+    @property
+    def target_size(self) -> int | None:
+        """Trajectories per group when every slot is used (flat, dapo: G; tree with refill: the
+        budget; a tree without refill may end with fewer: ``None``)."""
+        return self.budget if (not self.tree_mode or self.refill) else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeConfig(TreeParams):
+    """How one group is rolled out: its :class:`TreeParams` and what the run supplies.
+
+    Attributes:
+      max_turns: turns per trajectory.
+      sampling: request sampling options (the seed is set per request).
+      max_context_tokens: stop a branch whose next prompt plus ``max_tokens`` would exceed this.
+      seed: base seed for per-request seeds and Tree-Random scores.
+      score_timeout_s / env_timeout_s: bounds on one scorer call / one env step.
+    """
+
+    max_turns: int = 10
+    sampling: SamplingParams = SamplingParams()
+    max_context_tokens: int | None = None
+    seed: int = 0
+    score_timeout_s: float = 60.0
+    env_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}", type(self))
+
+    @classmethod
+    def from_params(cls, params: TreeParams, **run: Any) -> TreeConfig:
+        """``params``' :class:`TreeParams` fields (from any subclass, e.g. the trainer's ``rollout``
+        section) with the run's fields ``run`` (``max_turns``, ``sampling``, ...)."""
+        shape = {f.name: getattr(params, f.name) for f in dataclasses.fields(TreeParams)}
+        return cls(**shape, **run)
 
 
 @dataclasses.dataclass
@@ -310,7 +342,7 @@ class GroupStats:
 
 @dataclasses.dataclass
 class GroupResult:
-    """A rolled-out group. ``leaves`` is the training group (``group_mode`` applied);
+    """A rolled-out group. ``leaves`` is the training group (``keep`` applied);
     ``all_leaves`` also holds the dropped ones. ``tree`` holds every interaction."""
 
     group_key: str
@@ -398,7 +430,7 @@ class _GroupRun:
         self._sent_from: set[str | None] = set()
         self._root: _Branch | None = None
         self._arpo = config.strategy == "arpo"
-        self._sampling = (dataclasses.replace(config.sampling, top_logprobs=config.arpo_top_logprobs)
+        self._sampling = (dataclasses.replace(config.sampling, top_logprobs=config.arpo.top_logprobs)
                           if self._arpo else config.sampling)
         self._entropies: list[float] = []  # arpo: every turn's entropy
 
@@ -494,12 +526,12 @@ class _GroupRun:
         self.stats.overhead_s += (t1 - t0) + (time.perf_counter() - t2) + gen.client_s
 
     def _record_entropy(self, b: _Branch, gen: Generated) -> None:
-        """arpo: the turn's entropy (mean over its first ``arpo_entropy_tokens`` tokens) becomes
+        """arpo: the turn's entropy (mean over its first ``arpo.entropy_tokens`` tokens) becomes
         ``b.h_now``, and ``b.h_init`` when it is the lineage's first."""
         if gen.entropies is None:
             raise RolloutError(f"group {self.key!r}: strategy 'arpo' needs per-token entropies, but the server "
                                "answered without top logprobs (vLLM logprobs: n / SGLang top_logprobs_num)")
-        head = [h for h in gen.entropies[: self.cfg.arpo_entropy_tokens] if math.isfinite(h)]
+        head = [h for h in gen.entropies[: self.cfg.arpo.entropy_tokens] if math.isfinite(h)]
         if not head:  # no alternatives listed: no entropy signal for this turn
             b.h_now = None
             return
@@ -542,10 +574,8 @@ class _GroupRun:
 
     # ------------------------------------------------------------------ main loop
 
-    def _free_slots(self, n_active: int) -> float:
-        if self.cfg.max_branches is None:
-            return float("inf")
-        return self.cfg.max_branches - n_active - len(self.finished)
+    def _free_slots(self, n_active: int) -> int:
+        return self.cfg.budget - n_active - len(self.finished)
 
     def _collect(self, active: list[_Branch]) -> list[_Branch]:
         alive = []
@@ -619,7 +649,7 @@ class _GroupRun:
     def _arpo_branch(self, live: list[_Branch], index: int) -> list[_Branch]:
         """arpo, after round ``index``: each live branch in order, while slots remain, draws
         ``u ~ U(0, 1)`` and forks ``min(beam_size - 1, free)`` children (placed right after it) when
-        ``clip(u - w * (H_now - H_init), 0, 1) <= arpo_branch_probability``."""
+        ``clip(u - w * (H_now - H_init), 0, 1) <= arpo.branch_probability``."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, self.group_seed, index])
         free = int(self._free_slots(len(live)))
@@ -629,10 +659,10 @@ class _GroupRun:
             if free <= 0:
                 continue
             self.stats.branch_decisions += 1
-            p = min(max(float(rng.random()) - cfg.arpo_entropy_weight * b.entropy_delta(), 0.0), 1.0)
-            if p > cfg.arpo_branch_probability:
+            p = min(max(float(rng.random()) - cfg.arpo.entropy_weight * b.entropy_delta(), 0.0), 1.0)
+            if p > cfg.arpo.branch_probability:
                 continue
-            n = min(cfg.beam_size - 1, free)
+            n = min(cfg.arpo.beam_size - 1, free)
             nxt.extend(self._fork(b, "child") for _ in range(n))
             free -= n
             self.stats.expanded += 1
@@ -670,7 +700,7 @@ class _GroupRun:
                     active = await self._between(active, index)
                     index += 1
             if not active:
-                if tree_mode and cfg.refill and cfg.max_branches is not None and self._free_slots(0) > 0:
+                if tree_mode and cfg.refill and self._free_slots(0) > 0:
                     active = await self._refill()
                     continue
                 break
@@ -681,7 +711,7 @@ class _GroupRun:
                                  turns=b.depth, truncated=b.truncated, origin=b.origin, score=b.score)
                       for b in self.finished if b.last_id is not None]
         group = [lf for lf in all_leaves
-                 if cfg.group_mode == "keep_all" or lf.status not in DROPPED_UNDER_BEST_N]
+                 if cfg.keep == "keep_all" or lf.status not in DROPPED_UNDER_BEST_N]
         self.stats.leaves = len(group)
         self.stats.successes = sum(1 for lf in group if lf.status == "success")
         return GroupResult(group_key=self.key, task=self.task, tree=self.tree, leaves=group, all_leaves=all_leaves,

@@ -18,13 +18,13 @@ the combination with the trainer's rollout/actor settings; bad values fail with 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxprm.imports import import_object
 from jaxprm.modes import SHAPING_MODES
 from scorers.base import BaseScorer
 
@@ -382,25 +382,7 @@ def _check_weighted_range(specs: Sequence[tuple[ScorerSpec, type[BaseScorer]]], 
 
 def resolve_scorer_class(path: str, *, where: str = "scorer path") -> type[BaseScorer]:
     """Import ``package.module.Class`` (or ``package.module:Class``) and check it is a scorer."""
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{where} must be a non-empty dotted import path, got {path!r}")
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{where}={path!r} must look like package.module.Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        err.add_note(f"while resolving {where}={path!r}")
-        raise
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ImportError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}") from None
+    obj = import_object(path, where=where, shape="package.module.Class")
     if not isinstance(obj, type) or not issubclass(obj, BaseScorer):
         raise TypeError(f"{where}={path!r} resolved to {obj!r}, which is not a BaseScorer subclass")
     return obj

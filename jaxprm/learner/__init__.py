@@ -9,6 +9,7 @@ Imports jax, chex and numpy only; re-exported by ``jaxprm``.
 
 from jaxprm.learner.advantages import (
     AdvantageConfig,
+    AdvantageParams,
     Advantages,
     compute_advantages,
 )
@@ -68,6 +69,7 @@ from jaxprm.modes import (
 
 __all__ = [
     "AdvantageConfig",
+    "AdvantageParams",
     "Advantages",
     "BEHAVIOUR_WEIGHT_MODES",
     "Batch",

@@ -4,44 +4,44 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxprm.learner._checks import check_choice
+from jaxprm.fields import require
 from jaxprm.learner.batch import Batch
 from jaxprm.learner.gae import GAE_METHODS, gae
 from jaxprm.learner.normalize import NORM_LEVELS, group_normalize_rewards, normalize
 from jaxprm.learner.rewards import KL_ESTIMATORS, fold_turn_rewards, kl_penalty, place_outcome_rewards, transform_outcome_rewards
 from jaxprm.learner.shaping import SHAPING_MODES, shape_advantages
 
-__all__ = ["AdvantageConfig", "Advantages", "compute_advantages"]
+__all__ = ["AdvantageConfig", "AdvantageParams", "Advantages", "compute_advantages"]
 
 
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """Static options of ``compute_advantages`` (hashable: one compilation per config).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageParams:
+    """The reward processing, GAE and normalization options of ``compute_advantages``: everything
+    of :class:`AdvantageConfig` but the process-reward shaping (the trainer's ``advantage`` YAML
+    section is these fields; it takes the shaping from ``prm.advantage_shaping``).
 
     Attributes:
-      reward_scale, reward_bias, reward_clip: outcome transform ``clip((r + bias) * scale, ±clip)``.
+      reward_scale, reward_bias, reward_clip: outcome transform ``clip((r + bias) * scale, ±clip)``
+        (``reward_scale`` finite and != 0, ``reward_clip`` > 0).
       group_reward_norm: normalize outcome rewards within each group (GRPO) after the transform.
       group_reward_std: divide by the group std in that normalization (Dr.GRPO sets False).
       kl_ctl: coefficient of the per-token KL reward ``-kl_ctl * KL(old, ref)`` (0 disables it).
       kl_estimator: ``"k1" | "k2" | "k3"``.
-      gamma, lam: GAE discount and lambda.
+      gamma, lam: GAE discount and lambda, in [0, 1].
       gae_method: ``"auto"`` (``"cumsum"`` when ``gamma == lam == 1``; else ``"associative"`` on an
         accelerator backend, ``"scan"`` on the CPU: see ``gae_method_for``),
         ``"scan" | "associative" | "cumsum"``.
       adv_mean_level, adv_std_level: advantage normalization levels (``"batch" | "group" | None``).
       adv_unbiased, adv_eps: unbiased std and epsilon of that normalization.
-      shaping_mode: ``None`` (ignore process rewards) or ``"additive" | "gvpo" | "process_weighted"``.
-      negative_scale, zero_penalty, zero_eps: gvpo parameters.
       token_rewards_as_adv: True = direct mode (process rewards shape advantages after GAE and
         normalization, never enter returns). False = folded mode (each turn's uniform process reward
         is added once at its last prediction position before GAE; ``shaping_mode`` is unused).
       mask_no_eos_with_zero: zero the outcome and process rewards of truncated rows.
-      validate: check process rewards (finite; in [0, 1] for process_weighted) with a clear error.
     """
 
     reward_scale: float = 1.0
@@ -50,46 +50,76 @@ class AdvantageConfig:
     group_reward_norm: bool = False
     group_reward_std: bool = True
     kl_ctl: float = 0.0
-    kl_estimator: str = "k1"
+    kl_estimator: Literal[KL_ESTIMATORS] = "k1"
     gamma: float = 1.0
     lam: float = 1.0
-    gae_method: str = "auto"
-    adv_mean_level: str | None = "batch"
-    adv_std_level: str | None = "batch"
+    gae_method: Literal[("auto", *GAE_METHODS)] = "auto"
+    adv_mean_level: Literal["batch", "group"] | None = "batch"  # NORM_LEVELS
+    adv_std_level: Literal["batch", "group"] | None = "batch"
     adv_unbiased: bool = True
     adv_eps: float = 1e-5
-    shaping_mode: str | None = None
+    token_rewards_as_adv: bool = True
+    mask_no_eos_with_zero: bool = False
+
+    def __post_init__(self) -> None:
+        owner = type(self)
+        for name, allowed in (("kl_estimator", KL_ESTIMATORS), ("gae_method", ("auto", *GAE_METHODS)),
+                              ("adv_mean_level", NORM_LEVELS), ("adv_std_level", NORM_LEVELS)):
+            value = getattr(self, name)
+            require(value in allowed, name, f"{value!r} is not supported; allowed values: {allowed}", owner)
+        for name in ("adv_eps", "kl_ctl"):
+            v = getattr(self, name)
+            require(_real(v) and math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, got {v!r}", owner)
+        v = self.reward_clip
+        require(_real(v) and math.isfinite(v) and v > 0, "reward_clip", f"must be a finite number > 0, got {v!r}", owner)
+        v = self.reward_scale
+        require(_real(v) and math.isfinite(v) and v != 0, "reward_scale", f"must be finite and != 0, got {v!r}", owner)
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            require(_real(v) and 0 <= v <= 1, name, f"must be in [0, 1], got {v!r}", owner)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageConfig(AdvantageParams):
+    """Static options of ``compute_advantages`` (hashable: one compilation per config): its
+    :class:`AdvantageParams` and the shaping of direct process rewards.
+
+    Attributes:
+      shaping_mode: ``None`` (ignore process rewards) or ``"additive" | "gvpo" | "process_weighted"``.
+      negative_scale, zero_penalty, zero_eps: gvpo parameters (finite, >= 0).
+      validate: check process rewards (finite; in [0, 1] for process_weighted) with a clear error.
+    """
+
+    shaping_mode: Literal[SHAPING_MODES] | None = None
     negative_scale: float = 0.2
     zero_penalty: float = 0.4
     zero_eps: float = 1e-6
-    token_rewards_as_adv: bool = True
-    mask_no_eos_with_zero: bool = False
     validate: bool = True
 
     def __post_init__(self) -> None:
-        check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        check_choice("gae_method", self.gae_method, ("auto", *GAE_METHODS))
-        check_choice("adv_mean_level", self.adv_mean_level, NORM_LEVELS)
-        check_choice("adv_std_level", self.adv_std_level, NORM_LEVELS)
-        check_choice("shaping_mode", self.shaping_mode, (None, *SHAPING_MODES))
-        for name in ("negative_scale", "zero_penalty", "zero_eps", "adv_eps", "reward_clip", "kl_ctl"):
+        super().__post_init__()
+        owner = type(self)
+        require(self.shaping_mode in (None, *SHAPING_MODES), "shaping_mode",
+                f"{self.shaping_mode!r} is not supported; allowed values: {(None, *SHAPING_MODES)}", owner)
+        for name in ("negative_scale", "zero_penalty", "zero_eps"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        for name in ("gamma", "lam"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0 <= v <= 1):
-                raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-        if self.shaping_mode in ("gvpo", "process_weighted") and not self.token_rewards_as_adv:
-            raise ValueError(
-                f"shaping_mode={self.shaping_mode!r} needs token_rewards_as_adv=True (direct process "
-                "advantages); folded mode adds each turn's reward before GAE and has no shaping step"
-            )
-        if self.shaping_mode == "process_weighted" and self.mask_no_eos_with_zero:
-            raise ValueError(
-                "shaping_mode='process_weighted' rejects mask_no_eos_with_zero=True "
-                "(zeroed rewards would erase the negative advantages of truncated rows)"
-            )
+            require(_real(v) and math.isfinite(v) and v >= 0, name, f"must be a finite number >= 0, got {v!r}", owner)
+        require(not (self.shaping_mode in ("gvpo", "process_weighted") and not self.token_rewards_as_adv),
+                "shaping_mode", f"{self.shaping_mode!r} needs token_rewards_as_adv=True (direct process "
+                "advantages); folded mode adds each turn's reward before GAE and has no shaping step", owner)
+        require(not (self.shaping_mode == "process_weighted" and self.mask_no_eos_with_zero), "shaping_mode",
+                "'process_weighted' rejects mask_no_eos_with_zero=True "
+                "(zeroed rewards would erase the negative advantages of truncated rows)", owner)
+
+    @classmethod
+    def from_params(cls, params: AdvantageParams, **shaping: Any) -> AdvantageConfig:
+        """``params``' :class:`AdvantageParams` fields (from any subclass, e.g. the trainer's
+        ``advantage`` section) with the shaping fields ``shaping``."""
+        return cls(**{f.name: getattr(params, f.name) for f in dataclasses.fields(AdvantageParams)}, **shaping)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class Advantages(NamedTuple):

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxprm.learner._checks import check_2d_same, check_choice, check_float
+from jaxprm.learner._checks import check_2d_same, check_choice, check_clip, check_float
 from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
 
 __all__ = ["policy_loss", "policy_loss_terms", "PolicyLossTerms", "LOSS_AGGREGATIONS", "decoupled_policy_loss",
@@ -37,10 +37,7 @@ def policy_loss_terms(
     """Per-token clipped surrogate (see ``policy_loss``). All inputs ``[B, T]``."""
     check_2d_same(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     check_float("logprobs", logprobs)
-    if c_clip is not None and not c_clip > 1.0:
-        raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
-    if eps_clip < 0 or (eps_clip_higher is not None and eps_clip_higher < 0):
-        raise ValueError(f"eps_clip / eps_clip_higher must be >= 0, got {eps_clip}, {eps_clip_higher}")
+    check_clip(eps_clip, eps_clip_higher, c_clip)
     hi = eps_clip if eps_clip_higher is None else eps_clip_higher
     active = jnp.asarray(mask) > 0
     dtype = jnp.result_type(logprobs, jnp.float32)

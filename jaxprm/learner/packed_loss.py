@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxprm.learner._checks import check_2d_same, check_choice, check_float
+from jaxprm.learner._checks import check_2d_same, check_choice, check_clip, check_float
 from jaxprm.learner.loss import loss_metrics
 from jaxprm.modes import LOSS_AGGREGATIONS
 from jaxprm.learner.packing import PackedBatch
@@ -126,10 +126,7 @@ def packed_policy_loss(
     check_choice("agg", agg, LOSS_AGGREGATIONS)
     check_2d_same(logprobs=logprobs, old_logprobs=old_logprobs, pos=adv.pos, neg=adv.neg, count=adv.count)
     check_float("logprobs", logprobs)
-    if c_clip is not None and not c_clip > 1.0:
-        raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
-    if eps_clip < 0 or (eps_clip_higher is not None and eps_clip_higher < 0):
-        raise ValueError(f"eps_clip / eps_clip_higher must be >= 0, got {eps_clip}, {eps_clip_higher}")
+    check_clip(eps_clip, eps_clip_higher, c_clip)
     hi = eps_clip if eps_clip_higher is None else eps_clip_higher
     active = adv.count > 0
     dt = jnp.result_type(logprobs, jnp.float32)

@@ -9,13 +9,9 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from typing import Any
 
-import uvicorn
-
+from jaxprm.inprocess import ThreadedServer
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.app import create_app
 from jaxprm.serve.serving import ServeConfig
@@ -36,24 +32,9 @@ class ServerHandle:
         self.tokenizer = tokenizer
         self.config = config
         self.app = create_app(sampler, tokenizer, config, load_fn=load_fn)
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.host = host
-        self.port = self._sock.getsockname()[1]
-        uv_config = uvicorn.Config(self.app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(uv_config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                         name=f"jaxprm-serve-{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + startup_timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError("generation server failed to start (see the log)")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"generation server did not start within {startup_timeout_s} s")
-            time.sleep(0.01)
+        self._http = ThreadedServer(self.app, host=host, port=port, name="jaxprm-serve", lifespan="on",
+                                    log_level=log_level, access_log=True, startup_timeout_s=startup_timeout_s)
+        self.host, self.port = host, self._http.port
 
     @classmethod
     def start(cls, model, tokenizer, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "jaxprm",
@@ -81,8 +62,7 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
 
     @property
     def base_url(self) -> str:
@@ -108,13 +88,7 @@ class ServerHandle:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Shut the server down (idempotent); the engine stops with it."""
-        if self._thread.is_alive():
-            self._server.should_exit = True
-            self._thread.join(timeout)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._http.stop(timeout)
 
     def __enter__(self) -> ServerHandle:
         return self

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         for note in getattr(e, "__notes__", ()):  # cleanup that failed after the error (the run stopped anyway)
             print(f"note: {note}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; resume with --resume " + str(cfg.run_dir), file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print("interrupted; resume with --resume " + getattr(e, "run_dir", cfg.run_dir), file=sys.stderr)
         return 130
     print(summary.describe())
     return 0

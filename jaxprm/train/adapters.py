@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jaxprm
-from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
+from jaxprm.train.config import TrainConfig
 from rollout.client import ClientConfig, SamplingParams
 from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
 from rollout.evaluate import EvalSettings
@@ -39,19 +39,12 @@ __all__ = [
 
 
 def advantage_config(cfg: TrainConfig) -> jaxprm.AdvantageConfig:
-    """``jaxprm.AdvantageConfig`` from the ``advantage`` and ``prm`` sections (no shaping when the
-    process rewards are off)."""
-    a = cfg.advantage
+    """``jaxprm.AdvantageConfig``: the ``advantage`` section (its ``AdvantageParams``) with the
+    shaping of ``prm.advantage_shaping`` (no shaping when the process rewards are off)."""
     sh = cfg.prm.advantage_shaping
-    return jaxprm.AdvantageConfig(
-        reward_scale=a.reward_scale, reward_bias=a.reward_bias, reward_clip=a.reward_clip,
-        group_reward_norm=a.group_reward_norm, group_reward_std=a.group_reward_std,
-        kl_ctl=a.kl_ctl, kl_estimator=a.kl_estimator, gamma=a.gamma, lam=a.lam, gae_method=a.gae_method,
-        adv_mean_level=a.adv_mean_level, adv_std_level=a.adv_std_level, adv_unbiased=a.adv_unbiased,
-        adv_eps=a.adv_eps, shaping_mode=sh.mode if cfg.prm.active else None,
-        negative_scale=sh.negative_scale, zero_penalty=sh.zero_penalty, zero_eps=sh.zero_eps,
-        token_rewards_as_adv=a.token_rewards_as_adv, mask_no_eos_with_zero=a.mask_no_eos_with_zero,
-    )
+    return jaxprm.AdvantageConfig.from_params(
+        cfg.advantage, shaping_mode=sh.mode if cfg.prm.active else None,
+        negative_scale=sh.negative_scale, zero_penalty=sh.zero_penalty, zero_eps=sh.zero_eps)
 
 
 def env_factory(cfg: TrainConfig) -> Callable[[], FrozenLakeEnv]:
@@ -70,17 +63,12 @@ def tasks(cfg: TrainConfig) -> tuple[list[FrozenLakeTask], list[FrozenLakeTask]]
 
 
 def tree_config(cfg: TrainConfig, *, max_context: int | None) -> TreeConfig:
-    """The rollout strategy of one training group."""
+    """The rollout strategy of one training group: the ``rollout`` section's group shape (its
+    ``TreeParams``) with the run's turns, sampling, context bound and seed."""
     r = cfg.rollout
-    return TreeConfig(
-        strategy=r.strategy, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m, top_k=r.top_k, alpha=r.alpha,
-        theta=r.theta, max_turns=cfg.env.max_turns, max_branches=r.max_branches or r.group_size,
-        refill=r.refill, group_mode=r.keep, theta_at=r.theta_at,
-        beam_size=r.arpo.beam_size, arpo_entropy_weight=r.arpo.entropy_weight,
-        arpo_branch_probability=r.arpo.branch_probability, arpo_top_logprobs=r.arpo.top_logprobs,
-        arpo_entropy_tokens=r.arpo.entropy_tokens,
-        sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
-        max_context_tokens=max_context, seed=cfg.seed)
+    return TreeConfig.from_params(
+        r, max_turns=cfg.env.max_turns, max_context_tokens=max_context, seed=cfg.seed,
+        sampling=SamplingParams(max_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p))
 
 
 def eval_settings(cfg: TrainConfig, *, max_context: int | None) -> EvalSettings:
@@ -125,8 +113,7 @@ def row_capacity(cfg: TrainConfig, n_devices: int) -> int:
     """Fixed learner batch rows: ``ppo.max_rows`` or tasks x group budget, rounded up to a multiple
     of the minibatch count and the device count."""
     r = cfg.rollout
-    per_group = r.group_size if r.strategy in FLAT_STRATEGIES else (r.max_branches or r.group_size)
-    cap = cfg.ppo.max_rows or r.tasks_per_step * per_group
+    cap = cfg.ppo.max_rows or r.tasks_per_step * r.budget
     mult = math.lcm(cfg.ppo.num_minibatches, n_devices)
     return int(-(-cap // mult) * mult)
 

@@ -11,7 +11,8 @@
 3. An optional group filter (``rollout.export.filter_groups``).
 4. ``rollout.export.export_groups`` -> a fixed-shape ``jaxprm.Batch`` (rows padded to the
    capacity, length to ``ppo.len_buckets``) -> ``jaxprm.compute_advantages``.
-5. The jitted PPO step (``jaxprm.train.step.TrainStep``) under the configured mesh.
+5. The jitted PPO step under the configured mesh (``jaxprm.train.learner.Learner``: flat or
+   tree-packed, reference log-probs, advantages; it owns the train state).
 6. New weights to the server (``Generation.sync``).
 7. Periodic held-out evaluation (``rollout.evaluate``; its groups are scored too, in the
    ``eval-rollout`` metrics namespace, but not learned from), metrics rows, checkpoints (orbax,
@@ -47,13 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-import jaxprm
 from jaxprm.models import save_pretrained
 from jaxprm.train import adapters, dapo, multihost, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
@@ -61,16 +58,16 @@ from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, 
                                       enable_persistent_cache, measured)
 from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
 from jaxprm.train.generation import Generation
+from jaxprm.train.learner import Learner
 from jaxprm.train.overlap import RolloutProducer, drop_stale, group_version
-from jaxprm.train.packed import learn_packed
 from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
                                 prepare_run_dir, train_error)
-from jaxprm.train.step import TrainStep, make_mesh, make_optimizer, reference_logprobs, shard_params, step_inputs
+from jaxprm.train.step import make_mesh
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import EvalResult, eval_metrics, evaluate
-from rollout.export import export_groups, filter_groups
+from rollout.export import filter_groups
 from rollout.scoring import ScoredGroups, score_groups
 from rollout.stats import describe_groups
 from rollout.client import GenerationError
@@ -181,7 +178,7 @@ class _Job:
         # process 0 makes the run directory (or checks it, on resume); the others take its name
         run_dir = prepare_run_dir(cfg, self.resume) if self.primary or self.resume else None
         self.run_dir = Path(multihost.broadcast_object(None if run_dir is None else str(run_dir)))
-        cfg.run_dir = str(self.run_dir)
+        self.cfg = cfg = dataclasses.replace(cfg, run_dir=str(self.run_dir))
         self.cleanup.push("run directory lock", lock_run_dir(self.run_dir).release)
         self.policy = load_policy(cfg)
         self.train_tasks, self.eval_tasks = adapters.tasks(cfg)
@@ -190,17 +187,6 @@ class _Job:
             self.mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp)
         except ValueError as err:
             raise TrainError(f"mesh: {err}") from None
-        n_dev = self.mesh.devices.size
-        self.capacity = adapters.row_capacity(cfg, n_dev)
-        self.step_fn = TrainStep(
-            self.policy.apply_fn, make_optimizer(cfg.optimizer, adapters.total_updates(cfg)), jaxprm.policy_loss,
-            epochs=cfg.ppo.epochs, num_minibatches=cfg.ppo.num_minibatches, loss_kwargs=adapters.loss_kwargs(cfg),
-            mesh=self.mesh if n_dev > 1 else None, microbatch_rows=cfg.ppo.microbatch_rows,
-            entropy_coef=cfg.ppo.entropy_coef,
-            behaviour={"cap": cfg.ppo.behave_cap, "mode": cfg.ppo.behave_mode} if cfg.ppo.decoupled else None,
-            target_kl=cfg.ppo.target_kl,
-        )
-        self.adv_cfg = adapters.advantage_config(cfg)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                  async_save=cfg.checkpoint.async_save)
         self.cleanup.push("checkpointer", self.ckpt.close)
@@ -209,6 +195,7 @@ class _Job:
             self.precompiler = BackgroundCompiler()
             self.cleanup.push("background compiler", self.precompiler.close)
             self._background_base = METER.background()
+        self.learner = Learner(cfg, self.policy, self.mesh, multi=self.multi, precompiler=self.precompiler)
 
         # Warm start (fresh runs only: a resumed run restores its params from the checkpoint).
         self.warm_report: dict[str, Any] = {}
@@ -225,28 +212,16 @@ class _Job:
                 params = multihost.broadcast_arrays(params)
                 self.warm_report = multihost.broadcast_object(self.warm_report)
             self.policy.params = params
-        self.ref_params = None
-        if cfg.advantage.kl_ctl > 0:
-            self.ref_params = jax.tree.map(jnp.copy, self.policy.params)
-            if self.multi:  # global arrays, as the learner's own: its forward runs on the whole mesh
-                self.ref_params = jax.device_put(self.ref_params, shard_params(self.ref_params, self.mesh))
-        self.state = self.step_fn.init_state(self.policy.params)
-        self.base_key = jax.random.key(cfg.seed)
+        self.learner.start(self.policy.params)
         self.start_step, data_pos, meta = 0, 0, {}
         if restore_step is not None:
-            target = {"train": self.state, "rng": self._replicated(jax.random.key_data(self.base_key))}
-            if self.ref_params is not None:
-                target["ref"] = self.ref_params
             try:  # the newest checkpoint that restores; a changed architecture fails here, named
-                step, restored, meta = self.ckpt.restore_latest(target, log=self.log)
+                step, restored, meta = self.ckpt.restore_latest(self.learner.checkpoint_tree(), log=self.log)
             except CheckpointError as e:
                 raise TrainError(f"--resume: {e}") from None
-            self.state = restored["train"]
-            self.base_key = jax.random.wrap_key_data(multihost.local_array(restored["rng"]))
-            self.ref_params = restored.get("ref", self.ref_params)
+            self.learner.restore(restored)
             self.start_step, data_pos = step, int(meta.get("data_pos", 0))
             self.warm_report = meta.get("warm_start", {})
-            self.policy.params = self.state.params
             self.log(f"resumed from step {step} ({self.run_dir})")
         self.metrics = MetricsLog(self.run_dir, resume_step=self.start_step if self.resume else None,
                                   write=self.primary)
@@ -290,52 +265,6 @@ class _Job:
             stats.update({f"filter/{k}": v for k, v in counters.items()})
         return groups, rewards, stats
 
-    def learn(self, groups, rewards, step: int) -> dict[str, float]:
-        if self.cfg.rollout.export == "tree_packed":  # shared prefixes forwarded once (jaxprm.train.packed)
-            return learn_packed(self, groups, rewards, step)
-        batch, meta = export_groups(
-            groups, process_rewards=rewards if self.prm is not None else None,
-            row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
-        return self.learn_batch(batch, len(meta), step)
-
-    def learn_rows(self, rows, step: int) -> dict[str, float]:
-        """Learn from ``jaxprm.RowData`` rows (agent rollouts) through the same path as tree groups."""
-        batch = jaxprm.pad_rows(rows, row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets),
-                                min_rows=self.capacity)
-        return self.learn_batch(batch, len(rows), step)
-
-    def learn_batch(self, batch, n_rows: int, step: int) -> dict[str, float]:
-        pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-        if self.ref_params is not None:
-            ref = reference_logprobs(self.policy.apply_fn, self.ref_params, self.on_mesh(batch.tokens), self.on_mesh(pos))
-            batch = batch.replace(ref_logprobs=multihost.local_array(ref) * batch.loss_mask)
-        adv = jaxprm.compute_advantages(batch, self.adv_cfg)
-        data = step_inputs(batch, adv.advantages)
-        if self.cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
-            data["proximal_logprobs"] = reference_logprobs(self.policy.apply_fn, self.state.params,
-                                                           self.on_mesh(batch.tokens), self.on_mesh(pos))
-        key = jax.random.fold_in(self.base_key, step)
-        self.state, m = self.step_fn(self.state, data, key)
-        self.policy.params = self.state.params
-        out = {k: float(v) for k, v in jax.device_get(m).items()}
-        out["rows"] = n_rows
-        out["seq_len"] = int(batch.tokens.shape[1])
-        out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
-        if self.cfg.prm.active:
-            pr = batch.process_rewards
-            out["process_reward_mean"] = float(jnp.sum(pr) / jnp.maximum(batch.loss_mask.sum(), 1))
-        return out
-
-    def on_mesh(self, x: jax.Array) -> jax.Array:
-        """Rows ``x [B, ...]`` as a global array split over the mesh, in a multi-process run (where a
-        forward with the learner's global params must see global inputs); else ``x``."""
-        return jax.device_put(x, self.step_fn.batch_sharding()) if self.multi else x
-
-    def _replicated(self, x: jax.Array) -> jax.Array:
-        """``x`` (the same on every process) as a global array replicated over the mesh, in a
-        multi-process run (what orbax saves once for all processes); else ``x``."""
-        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec())) if self.multi else x
-
     async def run_eval(self, step: int) -> dict[str, float]:
         with self.times.phase("eval") as span:
             settings = adapters.eval_settings(self.cfg, max_context=self.gen.max_context)
@@ -365,10 +294,7 @@ class _Job:
     def checkpoint(self, step: int) -> None:
         with self.times.phase("checkpoint"):
             self.metrics.sync()  # rows of this step are durable before its checkpoint starts
-            tree = {"train": self.state, "rng": self._replicated(jax.random.key_data(self.base_key))}
-            if self.ref_params is not None:
-                tree["ref"] = self.ref_params
-            self.ckpt.save(step, tree, {"step": step, "data_pos": self.consumed_pos, "warm_start": self.warm_report})
+            self.ckpt.save(step, self.learner.checkpoint_tree(), {"step": step, "data_pos": self.consumed_pos, "warm_start": self.warm_report})
 
     # -- main -----------------------------------------------------------------------------------
     async def agent_step(self, step: int) -> dict[str, Any]:
@@ -381,7 +307,7 @@ class _Job:
         row = dict(res.stats)
         row.update(res.prm_metrics.summary())  # the exports' prm_stats, recorded after they returned
         with self.times.phase("learn") as learning:
-            row.update(self._learn_or_skip(step, lambda: self.learn_rows(res.rows, step) if res.rows else None))
+            row.update(self._learn_or_skip(step, lambda: self.learner.learn_rows(res.rows, step) if res.rows else None))
         self.consumed_pos = self.stream.pos
         return await self._finish_step(step, row, t0, rollout, (rollout, learning))
 
@@ -411,7 +337,7 @@ class _Job:
         step = c.step
 
         def learn() -> dict[str, Any]:
-            return self._learn_or_skip(step, lambda: self.learn(c.kept, c.rewards, step) if c.kept else None)
+            return self._learn_or_skip(step, lambda: self.learner.learn_groups(c.kept, c.rewards, step) if c.kept else None)
 
         with self.times.phase("learn") as learning:
             c.row.update(await asyncio.to_thread(learn) if in_thread else learn())
@@ -515,7 +441,7 @@ class _Job:
         """``learn()``'s metrics, or (nothing to learn from: it returned ``None``) a skipped step."""
         out = learn()
         if out is None:
-            self.state = dataclasses.replace(self.state, step=self.state.step + 1)
+            self.learner.skip_step()
             return {"skipped": True}
         return out
 
@@ -631,8 +557,7 @@ class _Job:
             bar.update(1)
         bar.close()
         self.ckpt.wait()
-        if self.multi:  # this host's copy of the final weights (for the export below)
-            self.policy.params = multihost.host_copy(self.state.params)
+        self.policy.params = self.learner.host_params()  # this host's copy of the final weights (for the export)
         with self.times.phase("export"):
             self._export_outputs()
         if first_eval is not None and "step" in first_eval:
@@ -687,3 +612,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, log=None) -> Summary:
         return asyncio.run(job.run())
     except (GenerationError, RolloutError) as e:  # one line, as the trainer's other errors; cleanup notes kept
         raise train_error(str(e), e) from e
+    except KeyboardInterrupt as e:
+        e.run_dir = str(job.run_dir)  # where to --resume (the requested directory may have been taken)
+        raise

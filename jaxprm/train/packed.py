@@ -11,7 +11,7 @@ Minibatches split packed rows (whole trees) instead of leaves; with one minibatc
 the update equals the flat one. Denominators: the minibatch's (token, leaf) pairs for
 ``token-mean``, its leaves with an active token for the seq-mean modes.
 
-``learn_packed(job, groups, rewards, step)`` is the trainer's learn step for this export. When
+The trainer's ``Learner`` (``jaxprm.train.learner``) steps with it for this export. When
 packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. flat groups whose
 leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
 costs gathers that only pay when tokens are actually shared.
@@ -25,24 +25,19 @@ in the background, so a later step, or the next run on the machine, loads them f
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-import jaxprm
-from rollout.export import export_groups_packed
-
 from jaxprm.learner.loss import behaviour_weights
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import DEFAULT_BLOCK_BUCKETS, PackedBatch
-from jaxprm.train import multihost
-from jaxprm.train.step import TrainStep, minibatch_rows, reference_logprobs, step_inputs
+from jaxprm.train.step import TrainStep, jitted_for, minibatch_rows
 
-__all__ = ["PackedTrainStep", "packed_step_inputs", "learn_packed", "packed_row_buckets", "neighbour_shapes",
-           "MIN_SHARING"]
+__all__ = ["PackedTrainStep", "packed_step_inputs", "packed_reference_logprobs", "packed_row_buckets",
+           "neighbour_shapes", "precompile_neighbours", "MIN_SHARING"]
 
 MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
@@ -189,80 +184,10 @@ class PackedTrainStep(TrainStep):
         return loss, metrics
 
 
-def learn_packed(job: Any, groups, rewards, step: int) -> dict[str, float]:
-    """The trainer's learn step for ``rollout.export: tree_packed``: export the groups flat (for
-    ``compute_advantages``) and packed (for the model), reference log-probs from one packed
-    forward, then the ``PackedTrainStep`` (built once from ``job.step_fn``). ``job`` is the trainer
-    (``cfg``, ``policy``, ``step_fn``, ``state``, ``capacity``, ``mesh``, ``adv_cfg``, ``ref_params``,
-    ``prm``, ``base_key``)."""
-    cfg = job.cfg
-    packed_step = getattr(job, "_packed_step", None)
-    if packed_step is None:
-        flat_len = max(cfg.ppo.len_buckets)
-        packed_step = PackedTrainStep.like(job.step_fn, microbatch_tokens=(cfg.ppo.microbatch_rows or 0) * flat_len or None)
-        job._packed_step = packed_step
-    n_dev = job.mesh.devices.size
-    mult = math.lcm(cfg.ppo.num_minibatches, n_dev)
-    batch, packed, meta = export_groups_packed(
-        groups, process_rewards=rewards if job.prm is not None else None,
-        row_buckets=(job.capacity,), len_buckets=tuple(cfg.ppo.len_buckets), min_rows=job.capacity,
-        packed_row_buckets=packed_row_buckets(mult), packed_len_buckets=tuple(cfg.ppo.packed_len_buckets))
-    flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
-    use_packed = flat_tokens >= MIN_SHARING * packed_tokens
-    place = job.on_mesh  # in a multi-process run, forwards with the global params see global rows
-    pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-    if job.ref_params is not None:
-        if use_packed:
-            ref = multihost.local_array(_packed_ref_logprobs(job.policy.apply_fn, job.ref_params, packed, place))
-            ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
-        else:
-            ref = reference_logprobs(job.policy.apply_fn, job.ref_params, place(batch.tokens), place(pos))
-            ref = multihost.local_array(ref)
-        batch = batch.replace(ref_logprobs=ref * batch.loss_mask)
-    adv = jaxprm.compute_advantages(batch, job.adv_cfg)
-    key = jax.random.fold_in(job.base_key, step)
-    if use_packed:
-        inputs = packed_step_inputs(packed, batch, adv.advantages, agg=cfg.ppo.agg)
-        if cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
-            inputs["proximal_logprobs"] = _packed_ref_logprobs(job.policy.apply_fn, job.state.params, packed, place)
-        job.state, m = packed_step(job.state, inputs, key)
-        if getattr(job, "precompiler", None) is not None:
-            R, N, S = inputs["key_blocks"].shape
-            job.precompiler.mark(("packed_step", R, inputs["tokens"].shape[1], N, S))
-            precompile_neighbours(job.precompiler, packed_step, job.state, inputs, key,
-                                  packed_row_buckets(mult), cfg.ppo.len_buckets)
-    else:
-        data = step_inputs(batch, adv.advantages)
-        if cfg.ppo.decoupled:
-            data["proximal_logprobs"] = reference_logprobs(job.policy.apply_fn, job.state.params, place(batch.tokens),
-                                                           place(pos))
-        job.state, m = job.step_fn(job.state, data, key)
-    job.policy.params = job.state.params
-    out = {k: float(v) for k, v in jax.device_get(m).items()}
-    out["packed_step"] = float(use_packed)
-    out["rows"] = len(meta)
-    out["seq_len"] = int(batch.tokens.shape[1])
-    out["packed_rows"] = int((packed.row_weights > 0).sum())
-    out["packed_len"] = int(packed.tokens.shape[1])
-    out["packed_blocks"] = int(packed.query_blocks.shape[1])
-    out["forwarded_tokens"] = packed_tokens if use_packed else flat_tokens
-    out["flat_tokens"] = flat_tokens
-    out["adv_abs_mean"] = float(jnp.sum(jnp.abs(adv.advantages) * batch.loss_mask) / jnp.maximum(batch.loss_mask.sum(), 1))
-    if job.prm is not None:
-        out["process_reward_mean"] = float(jnp.sum(batch.process_rewards) / jnp.maximum(batch.loss_mask.sum(), 1))
-    return out
-
-
-_REF_CACHE: dict = {}
-
-
-def _packed_ref_logprobs(apply_fn, params, packed: PackedBatch, place=lambda x: x) -> jax.Array:
-    """Per-token log-probs ``[R, L]`` of the packed rows under ``params``; ``place`` puts each input
-    where the forward runs (``job.on_mesh``)."""
-    fn = _REF_CACHE.get(id(apply_fn))
-    if fn is None:
-        fn = jax.jit(lambda p, t, q, qb, kb, par: packed_logprobs(
-            apply_fn(p, t, q, query_blocks=qb, key_blocks=kb), t, par))
-        _REF_CACHE[id(apply_fn)] = fn
+def packed_reference_logprobs(apply_fn, params, packed: PackedBatch, place=lambda x: x) -> jax.Array:
+    """Per-token log-probs ``[R, L]`` of the packed rows under ``params`` (one jitted forward per
+    ``apply_fn``); ``place`` puts each input where the forward runs (``Learner.on_mesh``)."""
+    fn = jitted_for(apply_fn, "packed_logprobs", lambda f: lambda p, t, q, qb, kb, par: packed_logprobs(
+        f(p, t, q, query_blocks=qb, key_blocks=kb), t, par))
     return fn(params, *(place(x) for x in (packed.tokens, packed.positions, packed.query_blocks, packed.key_blocks,
                                             packed.parents)))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, SHAPING_MODES
+from jaxprm.learner.advantages import AdvantageParams
+from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS, SHAPING_MODES
 from rollout.client import DIALECTS
-from rollout.tree import GROUP_MODES, STRATEGIES
+from rollout.tree import ARPOParams, TreeParams
 
 __all__ = [
     "ModelConfig",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The policy. ``name`` is a preset (``tiny``, ``smollm2-135m``) or a path to an HF directory
     or a ``.gguf`` file. ``overrides`` are passed to the tiny preset's architecture (e.g. layers)."""
@@ -46,7 +47,7 @@ class ModelConfig:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """Generation server: ``embedded`` starts ``jaxprm.serve`` in-process on a free loopback port
     (with a random API key that only the trainer's client knows; ``/update_weights_from_disk``
@@ -84,7 +85,7 @@ class ServerConfig:
     max_behavior_kl: float | None = 1.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BranchScorerSpec:
     """PaTR's branch scorer: a ``scorers.BaseScorer`` class path and its constructor kwargs (the form of
     a ``prm.scorers`` entry). Its reward for a partial branch's last turn must lie in [0, 1]; e.g.
@@ -94,22 +95,10 @@ class BranchScorerSpec:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
-class ARPOConfig:
-    """``rollout.strategy: arpo`` (ARPO's entropy-adaptive branching; the published script's values:
-    entropy_weight 0.2, branch_probability 0.5, beam_size 2, entropy over the first 20 tokens of the
-    top-20 distribution). After every turn a live branch forks one copy when
-    ``clip(u - entropy_weight * (H_now - H_init), 0, 1) <= branch_probability`` (``u ~ U(0, 1)``,
-    ``H_init`` the entropy of its lineage's first turn) while the group budget lasts; ``b0`` roots."""
-
-    entropy_weight: float = 0.2
-    branch_probability: float = 0.5
-    beam_size: int = 2
-    top_logprobs: int = 20
-    entropy_tokens: int = 20
+ARPOConfig = ARPOParams  # rollout.arpo: the library's own section (rollout.tree.ARPOParams)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DAPOConfig:
     """DAPO's rollout-side pieces (its clip-higher and token-level loss are ``ppo.eps_clip_higher``
     and ``ppo.agg``, on by default for every strategy).
@@ -133,9 +122,19 @@ class DAPOConfig:
     overlong_factor: float = 1.0
 
 
-@dataclasses.dataclass
-class RolloutConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig(TreeParams):
     """Rollout groups: one group (tree) per task, ``tasks_per_step`` groups per training step.
+
+    The group's shape (``strategy``, ``group_size``, ``b0``, ``k``, ``m``, ``top_k``, ``alpha``,
+    ``theta``, ``theta_at``, ``max_branches``, ``keep``, ``refill``, ``arpo``) is
+    :class:`rollout.tree.TreeParams`, declared, defaulted and validated there once; this section
+    adds what the trainer does with the groups.
+
+    ``alpha``, the prune margin below the median score (the paper's 0.5): with the default branch
+    scorer (FrozenLake progress, level mode, reward_weight w = 0.5) a live branch scores
+    0.5 * progress, in [0, 1 - w], so alpha >= 1 - w can never prune; the README's weak-start
+    regime uses 0.08, just under one move of progress on a 4x4 map (0.5 / 6).
 
     ``source``: ``tree`` (the env is driven by ``rollout.tree``: flat / tree_random / patr) or
     ``agent`` (an OpenAI-SDK agent, the ``agent`` section, runs against the recording proxy; flat
@@ -143,23 +142,8 @@ class RolloutConfig:
     tree path)."""
 
     source: Literal["tree", "agent"] = "tree"
-    strategy: Literal[STRATEGIES] = "patr"
     # 16 groups of 8 (was 8): half the gradient noise, which is what lets the default lr be 6e-4
     tasks_per_step: int = 16
-    group_size: int = 8  # flat: G samples; trees: the per-group budget (max_branches if unset)
-    b0: int = 4
-    k: int = 5
-    m: int = 2
-    top_k: int = 2
-    # the prune margin below the median score (the paper's 0.5). With the default branch scorer (FrozenLake
-    # progress, level mode, reward_weight w = 0.5) a live branch scores 0.5 * progress, in [0, 1 - w], so
-    # alpha >= 1 - w can never prune; the README's weak-start regime uses 0.08, just under one move of
-    # progress on a 4x4 map (0.5 / 6)
-    alpha: float = 0.5
-    theta: int = 6
-    max_branches: int | None = None
-    keep: Literal[GROUP_MODES] = "keep_all"
-    refill: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
@@ -179,15 +163,10 @@ class RolloutConfig:
     # ppo.decoupled, which corrects for the staleness. max_staleness 0 is the synchronous loop.
     asynchronous: bool = False
     max_staleness: int = 1
-    # the loop stop (theta identical actions): "turn" (default) checks it after every turn of every
-    # strategy, flat included, so a loop does not burn the rest of an interval; "checkpoint" is the
-    # PaTR paper's rule (checked at tree checkpoints only; flat groups never loop-stop)
-    theta_at: Literal["turn", "checkpoint"] = "turn"
-    arpo: ARPOConfig = dataclasses.field(default_factory=lambda: ARPOConfig())
     dapo: DAPOConfig = dataclasses.field(default_factory=lambda: DAPOConfig())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
     """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``.
 
@@ -215,7 +194,7 @@ class EnvConfig:
     seed: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """Agent rollouts through the recording proxy (``rollout.source: agent``).
 
@@ -234,7 +213,7 @@ class AgentConfig:
     session_timeout_s: float = 3600.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ScorerSpec:
     path: str = ""
     weight: float = 1.0
@@ -242,7 +221,7 @@ class ScorerSpec:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ShapingConfig:
     mode: Literal[SHAPING_MODES] = "additive"
     negative_scale: float = 0.2
@@ -250,7 +229,7 @@ class ShapingConfig:
     zero_eps: float = 1e-6
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PRMSection:
     """Process-reward scoring of finished branches (``scorers.PRMRunner``)."""
 
@@ -265,30 +244,17 @@ class PRMSection:
         return self.enabled and any(s.enabled for s in self.scorers)
 
 
-@dataclasses.dataclass
-class AdvantageSection:
-    """Reward processing and advantages (``jaxprm.AdvantageConfig``; the shaping mode and its
-    numbers come from ``prm.advantage_shaping``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdvantageSection(AdvantageParams):
+    """Reward processing and advantages: :class:`jaxprm.learner.AdvantageParams`, declared,
+    defaulted and validated there (the shaping mode and its numbers come from
+    ``prm.advantage_shaping``). One default differs, on purpose: the trainer's groups are GRPO
+    groups, so their outcome rewards are normalized within the group."""
 
-    reward_scale: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: float = 20.0
     group_reward_norm: bool = True
-    group_reward_std: bool = True
-    kl_ctl: float = 0.0
-    kl_estimator: Literal[KL_ESTIMATORS] = "k1"
-    gamma: float = 1.0
-    lam: float = 1.0
-    gae_method: Literal["auto", "scan", "associative"] = "auto"  # auto: associative on GPU/TPU, scan on CPU
-    adv_mean_level: Literal["batch", "group"] | None = "batch"
-    adv_std_level: Literal["batch", "group"] | None = "batch"
-    adv_unbiased: bool = True
-    adv_eps: float = 1e-5
-    token_rewards_as_adv: bool = True
-    mask_no_eos_with_zero: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """AdamW with global-norm gradient clipping and a warmup + cosine/constant schedule."""
 
@@ -310,7 +276,7 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     """PPO epochs over minibatches, all inside one jitted step."""
 
@@ -346,7 +312,7 @@ class PPOConfig:
     packed_len_buckets: list[int] = dataclasses.field(default_factory=lambda: [2048, 4096, 8192])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
     """Supervised warm start on noisy generated demonstrations (cached by config hash)."""
 
@@ -369,7 +335,7 @@ class WarmStartConfig:
     seed: int = 1234
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     every_steps: int = 10
     num_tasks: int = 64
@@ -379,14 +345,14 @@ class EvalConfig:
     temperature: float = 1.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     every_steps: int = 5
     keep: int = 3
     async_save: bool = True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CompileCacheConfig:
     """JAX's persistent compilation cache: programs compiled by one run are loaded by the next on
     the same machine (and JAX version) instead of being compiled again. ``enabled: false`` turns it
@@ -401,7 +367,7 @@ class CompileCacheConfig:
     precompile: bool = True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
     """Device mesh for the train step: ``data`` x ``fsdp`` (-1 on one axis = all remaining)."""
 
@@ -409,7 +375,7 @@ class MeshConfig:
     fsdp: int = 1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     """Multi-host (``jaxprm.train.multihost``): with ``enabled``, ``jax.distributed.initialize`` is
     called with these keys (JAX's names), or with none of them set, with what a cluster launcher
@@ -423,7 +389,7 @@ class DistributedConfig:
     process_id: int | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     server: ServerConfig = dataclasses.field(default_factory=ServerConfig)

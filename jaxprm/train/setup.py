@@ -3,6 +3,7 @@ directory, the stream of training tasks, and the ordered cleanup of everything i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from pathlib import Path
@@ -79,10 +80,9 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool) -> Path:
         while run_dir.exists() and any(run_dir.iterdir()):
             run_dir = base.with_name(f"{base.name}-{i}")
             i += 1
-        cfg.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.yaml.tmp"  # atomically: a run killed here is a fresh directory, not a torn one
-    tmp.write_text(dump_yaml(cfg))
+    tmp.write_text(dump_yaml(dataclasses.replace(cfg, run_dir=str(run_dir))))  # the directory actually used
     os.replace(tmp, run_dir / "config.yaml")
     return run_dir
 

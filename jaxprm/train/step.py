@@ -395,16 +395,22 @@ class TrainStep:
         return self._jitted(state, data, rng)
 
 
-_REF_CACHE: dict = {}
+_JITTED: dict[tuple[int, str], tuple[Callable, Callable]] = {}
+
+
+def jitted_for(apply_fn: Callable, kind: str, build: Callable[[Callable], Callable]) -> Callable:
+    """``jax.jit(build(apply_fn))``, made once per ``(apply_fn, kind)`` and reused (the entry keeps
+    ``apply_fn`` alive, so its ``id`` is never another model's)."""
+    key = (id(apply_fn), kind)
+    if key not in _JITTED:
+        _JITTED[key] = (apply_fn, jax.jit(build(apply_fn)))
+    return _JITTED[key][1]
 
 
 def reference_logprobs(apply_fn: Callable, params: Any, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     """Per-token log-probs ``[B, T]`` of ``tokens`` under ``params`` (the KL reference policy), one
     jitted forward per ``apply_fn``."""
-    fn = _REF_CACHE.get(id(apply_fn))
-    if fn is None:
-        fn = jax.jit(lambda p, t, q: next_token_logprobs(apply_fn(p, t, q), t))
-        _REF_CACHE[id(apply_fn)] = fn
+    fn = jitted_for(apply_fn, "flat_logprobs", lambda f: lambda p, t, q: next_token_logprobs(f(p, t, q), t))
     return fn(params, tokens, positions)
 
 

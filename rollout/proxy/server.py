@@ -12,14 +12,11 @@ error to the caller); uvicorn serves with its lifespan off and without installin
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 from collections.abc import Sequence
 from typing import Any
 
-import uvicorn
-
+from jaxprm.inprocess import LoopServer
 from rollout.chat import ChatTokenizer
 from rollout.client import GenerationClient
 from rollout.proxy.app import create_app
@@ -30,25 +27,13 @@ from scorers.base import BaseScorer
 __all__ = ["ProxyServer"]
 
 
-class _QuietServer(uvicorn.Server):
-    """uvicorn without signal handling (the embedding process owns its signals)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 class ProxyServer:
     """A running proxy (see the module docstring). Build it with :meth:`start`."""
 
-    def __init__(self, proxy: RecordingProxy, app: Any, sock: socket.socket, host: str) -> None:
+    def __init__(self, proxy: RecordingProxy, app: Any) -> None:
         self.proxy = proxy
         self.app = app
-        self._sock = sock
-        self.host = host
-        self.port = sock.getsockname()[1]
-        self._server: _QuietServer | None = None
-        self._task: asyncio.Task | None = None
+        self._http: LoopServer | None = None
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
 
     @classmethod
@@ -58,39 +43,28 @@ class ProxyServer:
         """Start the proxy (client, runner) and serve it on ``host:port`` (0 = a free port)."""
         proxy = RecordingProxy(config, tokenizer, scorers=scorers, client=client)
         app = create_app(proxy)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
-        self = cls(proxy, app, sock, host)
+        self = cls(proxy, app)
         self._lifespan = app.router.lifespan_context(app)
+        await self._lifespan.__aenter__()
         try:
-            await self._lifespan.__aenter__()
-        except BaseException:
-            sock.close()
-            raise
-        try:
-            cfg = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_keep_alive=60,
-                                 timeout_graceful_shutdown=5, access_log=False)
-            self._server = _QuietServer(cfg)
-            self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=f"proxy-http-{self.port}")
-            while not self._server.started:
-                if self._task.done():
-                    self._task.result()
-                    raise RuntimeError("the proxy's HTTP server stopped during startup")
-                await asyncio.sleep(0.005)
+            self._http = await LoopServer.start(app, host=host, port=port, name="proxy-http", log_level=log_level,
+                                                timeout_keep_alive=60)
         except BaseException:
             await self.stop()
             raise
         return self
 
     @property
+    def host(self) -> str:
+        return self._http.host
+
+    @property
+    def port(self) -> int:
+        return self._http.port
+
+    @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return self._http.url
 
     @property
     def base_url(self) -> str:
@@ -102,13 +76,8 @@ class ProxyServer:
         (runner, then client). Idempotent."""
         self.proxy.begin_shutdown()
         await self.proxy.drain(self.proxy.config.drain_timeout_s)
-        if self._server is not None and self._task is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await self._task
-            self._server = self._task = None
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        if self._http is not None:
+            await self._http.stop()
         if self._lifespan is not None:
             lifespan, self._lifespan = self._lifespan, None
             await lifespan.__aexit__(None, None, None)

@@ -16,12 +16,12 @@ joined); keys whose value is null are dropped.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxprm.imports import import_object
 from rollout.chat import ChatTokenizer, PromptBuilder, PromptDriftError
 from rollout.proxy.config import ProxyError
 from rollout.proxy.sessions import Record
@@ -147,12 +147,8 @@ def load_tokenizer(spec: str) -> ChatTokenizer:
     embedded server's tiny model."""
     if Path(spec).is_dir():
         return HFChatTokenizer(spec)
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"--tokenizer {spec!r}: not a directory and not package.module:function")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+    obj = import_object(spec, where="--tokenizer", colon_only=True,
+                        shape="a tokenizer directory or package.module:function")
     tok = obj() if callable(obj) and not hasattr(obj, "encode") else obj
     for need in ("encode", "decode", "apply_chat_template", "eos_token_id"):
         if not hasattr(tok, need):

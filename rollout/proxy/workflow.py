@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import numbers
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from jaxprm.imports import import_object
 from rollout.proxy.service import ExportResult, RecordingProxy
 
 __all__ = ["Workflow", "resolve_workflow", "reward_body", "GroupOutcome", "run_agent_group"]
@@ -37,18 +37,7 @@ _BODY_KEYS = frozenset({"reward", "rewards", "env_states"})
 
 def resolve_workflow(spec: str) -> Workflow:
     """Import ``package.module:function`` and check it is an ``async def``."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"workflow {spec!r} must look like package.module:function")
-    module_name, attr = spec.split(":")
-    if not module_name or not attr:
-        raise ValueError(f"workflow {spec!r} must look like package.module:function")
-    module = importlib.import_module(module_name)
-    fn: Any = module
-    for part in attr.split("."):
-        try:
-            fn = getattr(fn, part)
-        except AttributeError:
-            raise ImportError(f"workflow {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    fn = import_object(spec, where="workflow", colon_only=True, shape="package.module:function")
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"workflow {spec!r} must be an async function run(task, base_url, api_key, http_client)")
     return fn

@@ -16,7 +16,7 @@ models = pytest.importorskip("jaxprm.models")
 from rollout.client import ClientConfig, GenerationClient, SamplingParams  # noqa: E402
 from rollout.envs import FrozenLakeEnv, make_tasks  # noqa: E402
 from rollout.export import export_groups  # noqa: E402
-from rollout.tree import TreeConfig, run_group  # noqa: E402
+from rollout.tree import ARPOParams, TreeConfig, run_group  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_top_logprob_entropies_from_embedded_server(server, dialect):
 def test_arpo_group_against_embedded_server(server):
     handle, tok = server
     task = make_tasks(0, 1, 0, sizes=(4,), max_turns=3)[0][0]
-    cfg = TreeConfig(strategy="arpo", b0=2, max_branches=4, max_turns=3, theta=None, arpo_top_logprobs=5,
+    cfg = TreeConfig(strategy="arpo", b0=2, max_branches=4, max_turns=3, theta=None, arpo=ARPOParams(top_logprobs=5),
                      sampling=SamplingParams(max_tokens=8, temperature=1.0))
 
     async def go():

@@ -7,10 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jaxprm.fields import FieldError
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, FrozenLakeTask, StepResult, make_tasks
 from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
-from rollout.tree import GroupRejected, RolloutError, TreeConfig, run_group, run_groups
+from rollout.tree import ARPOParams, GroupRejected, RolloutError, TreeConfig, TreeParams, run_group, run_groups
 from scorers import BaseScorer
 
 SAMPLING = SamplingParams(max_tokens=24)
@@ -74,7 +75,7 @@ def _by_branch(g):
 def test_patr_expands_and_prunes_as_the_algorithm_says(serve, prompts):
     srv = serve()
     cfg = TreeConfig(strategy="patr", b0=4, k=2, m=2, top_k=2, alpha=0.3, theta=None, max_turns=6,
-                     max_branches=None, refill=False, sampling=SAMPLING)
+                     max_branches=64, refill=False, sampling=SAMPLING)
     scorer = TableScorer({
         # checkpoint 0 (2 turns): median 0.55 -> prune below 0.25; top-2 = b0, b3
         ("b0", 2): 0.9, ("b1", 2): 0.1, ("b2", 2): 0.5, ("b3", 2): 0.6,
@@ -100,8 +101,8 @@ def test_patr_expands_and_prunes_as_the_algorithm_says(serve, prompts):
 
 def test_best_n_drops_pruned(serve, prompts):
     srv = serve()
-    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=None,
-                     refill=False, group_mode="best_n", sampling=SAMPLING)
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=64,
+                     refill=False, keep="best_n", sampling=SAMPLING)
     g = run(_group(srv.url, cfg, scorer=TableScorer({("b1", 2): 0.0, ("b2", 2): 0.9, ("b3", 2): 0.9}),
                    prompts=prompts))
     assert "b1" in {lf.branch_id for lf in g.all_leaves} - {lf.branch_id for lf in g.leaves}
@@ -128,8 +129,8 @@ def test_process_rewards_score_exactly_the_exported_leaves(serve, prompts):
             return 0.1
 
     srv = serve()
-    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=None,
-                     refill=False, group_mode="best_n", sampling=SAMPLING)
+    cfg = TreeConfig(strategy="patr", b0=4, k=2, alpha=0.3, theta=None, max_turns=4, max_branches=64,
+                     refill=False, keep="best_n", sampling=SAMPLING)
     g = run(_group(srv.url, cfg, scorer=TableScorer({("b1", 2): 0.0, ("b2", 2): 0.9, ("b3", 2): 0.9}),
                    prompts=prompts))
     exported = {lf.leaf_id for lf in g.leaves}
@@ -203,7 +204,7 @@ def test_group_sizes_match_config(serve, tok, prompts, strategy, size):
 def test_tree_random_without_refill_size(serve, prompts):
     srv = serve()
     cfg = TreeConfig(strategy="tree_random", b0=4, k=2, m=2, top_k=2, alpha=0.0, theta=None, max_turns=6,
-                     max_branches=None, refill=False, sampling=SAMPLING)
+                     max_branches=64, refill=False, sampling=SAMPLING)
     g = run(_group(srv.url, cfg, prompts=prompts))
     assert g.stats.leaves == 4 + g.stats.expanded * (cfg.m - 1)
     assert g.stats.expanded == 4  # top-2 at each of two checkpoints
@@ -224,7 +225,7 @@ def test_loop_stop(serve, tok, prompts):
         cfg = TreeConfig(strategy=strategy, group_size=3, b0=3, k=5, theta=3, max_branches=3, sampling=SAMPLING)
         g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, scorer=ProgressScorer(), task=task, prompts=prompts))
         assert [(lf.status, lf.turns) for lf in g.leaves] == [("loop", 3)] * 3 and g.stats.loop_stopped == 3
-    cfg = dataclasses.replace(cfg, group_mode="best_n")
+    cfg = dataclasses.replace(cfg, keep="best_n")
     g = run(_group(srv.url, cfg, env_factory=FrozenLakeEnv, scorer=ProgressScorer(), task=task, prompts=prompts))
     assert g.leaves == [] and len(g.all_leaves) == 3
 
@@ -249,7 +250,7 @@ def test_prompts_extend_and_siblings_share_prefix(serve, tok, prompts):
     script = ServerScript(policy=hashed_action_policy(tok), record_prompts=True)
     srv = serve(script)
     cfg = TreeConfig(strategy="patr", b0=2, k=1, m=2, top_k=1, alpha=1.0, theta=None, max_turns=3,
-                     max_branches=None, refill=False, sampling=SAMPLING)
+                     max_branches=64, refill=False, sampling=SAMPLING)
     g = run(_group(srv.url, cfg, scorer=TableScorer({}), prompts=prompts))
     for lf in g.leaves:
         chain = g.tree.branch(lf.leaf_id)
@@ -427,33 +428,45 @@ def test_checkpoint_scorers_work_on_private_copies(serve, prompts):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(FieldError, match="strategy"):
         TreeConfig(strategy="beam")
-    with pytest.raises(ValueError, match="group_mode"):
-        TreeConfig(group_mode="best")
-    with pytest.raises(ValueError, match="max_branches"):
+    with pytest.raises(FieldError, match="keep"):
+        TreeConfig(keep="best")
+    with pytest.raises(FieldError, match="max_branches"):
         TreeConfig(b0=4, max_branches=3)
-    with pytest.raises(ValueError, match="theta"):
+    with pytest.raises(FieldError, match="max_branches"):
+        TreeConfig(b0=9)  # the default budget is group_size (8)
+    with pytest.raises(FieldError, match="theta"):
         TreeConfig(theta=1)
+    with pytest.raises(FieldError, match="^m: ") as info:
+        TreeConfig(strategy="patr", m=1)
+    assert info.value.owner is TreeConfig and info.value.field == "m"
     assert TreeConfig(strategy="flat", group_size=5).target_size == 5
     assert TreeConfig(max_branches=8).target_size == 8
-    for bad, match in [(dict(theta_at="interval"), "theta_at"), (dict(beam_size=1), "beam_size"),
-                       (dict(arpo_entropy_weight=-0.1), "arpo_entropy_weight"),
-                       (dict(arpo_entropy_weight=float("nan")), "arpo_entropy_weight"),
-                       (dict(arpo_branch_probability=1.5), "arpo_branch_probability"),
-                       (dict(arpo_branch_probability=-0.1), "arpo_branch_probability"),
-                       (dict(arpo_top_logprobs=0), "arpo_top_logprobs"), (dict(arpo_top_logprobs=21), "arpo_top_logprobs"),
-                       (dict(arpo_entropy_tokens=0), "arpo_entropy_tokens"),
-                       (dict(strategy="arpo", max_branches=None), "needs max_branches"),
-                       (dict(strategy="arpo", b0=4, max_branches=3), "max_branches")]:
-        with pytest.raises(ValueError, match=match):
+    assert TreeConfig(group_size=6, b0=2).target_size == 6  # max_branches unset: the budget is group_size
+    for bad, match in [(dict(theta_at="interval"), "theta_at"), (dict(strategy="arpo", b0=4, max_branches=3), "max_branches")]:
+        with pytest.raises(FieldError, match=match):
             TreeConfig(**bad)
+    for bad, field in [(dict(beam_size=1), "beam_size"), (dict(entropy_weight=-0.1), "entropy_weight"),
+                       (dict(entropy_weight=float("nan")), "entropy_weight"),
+                       (dict(branch_probability=1.5), "branch_probability"),
+                       (dict(branch_probability=-0.1), "branch_probability"),
+                       (dict(top_logprobs=0), "top_logprobs"), (dict(top_logprobs=21), "top_logprobs"),
+                       (dict(entropy_tokens=0), "entropy_tokens")]:
+        with pytest.raises(FieldError, match=f"^{field}: ") as info:
+            ARPOParams(**bad)
+        assert info.value.owner is ARPOParams
     # dapo is flat: no tree constraints, G trajectories; arpo is a tree: the budget
     assert TreeConfig(strategy="dapo", group_size=5, m=1, b0=9, max_branches=3).target_size == 5
     assert not TreeConfig(strategy="dapo").tree_mode and TreeConfig(strategy="arpo").tree_mode
     assert TreeConfig(strategy="arpo", m=1, max_branches=6).target_size == 6
     assert TreeConfig(strategy="arpo", refill=False).target_size is None
-    assert TreeConfig(theta_at="checkpoint", arpo_branch_probability=0.0, arpo_entropy_weight=0.0).theta_at == "checkpoint"
+    arpo = ARPOParams(branch_probability=0.0, entropy_weight=0.0)
+    assert TreeConfig(theta_at="checkpoint", arpo=arpo).arpo.branch_probability == 0.0
+    # the run's fields on top of any TreeParams (the trainer's rollout section is one)
+    params = TreeParams(strategy="arpo", b0=2, keep="best_n", arpo=arpo)
+    cfg = TreeConfig.from_params(params, max_turns=3, seed=7)
+    assert (cfg.strategy, cfg.b0, cfg.keep, cfg.arpo, cfg.max_turns, cfg.seed) == ("arpo", 2, "best_n", arpo, 3, 7)
 
 
 def test_invalid_answers_are_counted_and_can_end_a_branch(serve, tok, prompts):
@@ -515,23 +528,23 @@ def test_arpo_branches_when_entropy_rises_not_when_it_falls(serve, tok, prompts)
 
 def test_arpo_never_branches_at_probability_0_always_at_1(serve, tok, prompts):
     srv = serve()
-    never = run(_group(srv.url, _arpo(arpo_entropy_weight=0.0, arpo_branch_probability=0.0), prompts=prompts))
+    never = run(_group(srv.url, _arpo(arpo=ARPOParams(entropy_weight=0.0, branch_probability=0.0)), prompts=prompts))
     assert never.stats.children == never.stats.expanded == 0 and never.stats.refills == 4
     assert sorted(lf.origin for lf in never.leaves) == ["refill"] * 4 + ["root"] * 4
     assert all(lf.status == "max_turns" and lf.turns == 4 for lf in never.leaves)
     # probability 1: every live branch forks every round until the budget is spent (1 -> 2 -> 4 -> 8)
-    always = run(_group(srv.url, _arpo(b0=1, arpo_branch_probability=1.0), prompts=prompts))
+    always = run(_group(srv.url, _arpo(b0=1, arpo=ARPOParams(branch_probability=1.0)), prompts=prompts))
     assert (always.stats.children, always.stats.expanded, always.stats.refills, always.stats.leaves) == (7, 7, 0, 8)
     assert sorted(_first_own_turn(always, lf) for lf in always.leaves) == [0, 1, 2, 2, 3, 3, 3, 3]
     assert always.stats.branch_decisions == 1 + 2 + 4  # none once the budget is spent
     # beam_size 3: each branching adds two copies (within the budget)
-    beam = run(_group(srv.url, _arpo(b0=1, beam_size=3, arpo_branch_probability=1.0), prompts=prompts))
+    beam = run(_group(srv.url, _arpo(b0=1, arpo=ARPOParams(beam_size=3, branch_probability=1.0)), prompts=prompts))
     assert (beam.stats.expanded, beam.stats.children, beam.stats.leaves) == (4, 7, 8)  # 1 -> 3 -> 8 (2, then 2 + 2 + 1)
 
 
 def test_arpo_restarts_from_the_root_when_every_branch_dies(serve, tok, prompts):
     srv = serve(_turn_entropy_script(tok, first=PEAKED, later=UNIFORM))
-    g = run(_group(srv.url, _arpo(arpo_branch_probability=1.0), env_factory=lambda: StepEnv(end_at=1),
+    g = run(_group(srv.url, _arpo(arpo=ARPOParams(branch_probability=1.0)), env_factory=lambda: StepEnv(end_at=1),
                    prompts=prompts))
     assert g.stats.leaves == 8 and g.stats.refills == 4 and g.stats.children == 0
     assert sorted(lf.origin for lf in g.leaves) == ["refill"] * 4 + ["root"] * 4
@@ -633,7 +646,7 @@ def test_theta_at_checkpoint(serve, tok, prompts):
 
 def test_theta_at_checkpoint_spares_the_branches_that_do_not_loop(serve, prompts):
     srv = serve()  # hashed actions: some branches loop, others not
-    cfg = TreeConfig(strategy="patr", b0=4, k=3, m=2, top_k=1, alpha=1.0, theta=2, max_turns=6, max_branches=None,
+    cfg = TreeConfig(strategy="patr", b0=4, k=3, m=2, top_k=1, alpha=1.0, theta=2, max_turns=6, max_branches=64,
                      refill=False, theta_at="checkpoint", sampling=SAMPLING)
 
     class _Env(StepEnv):

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
-import threading
-import time
 from typing import Any, Callable
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from jaxprm.inprocess import ThreadedServer
 
 
 class ScriptedServer:
@@ -34,8 +32,7 @@ class ScriptedServer:
         self.requests: dict[str, list[Any]] = collections.defaultdict(list)
         self.pooling_fn: Callable[[list[int]], Any] = lambda ids: [0.0 for _ in ids]
         self.app = self._make_app()
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._http: ThreadedServer | None = None
         self.port: int | None = None
 
     def reset(self) -> None:
@@ -91,25 +88,10 @@ class ScriptedServer:
         return app
 
     def start(self) -> ScriptedServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1, access_log=False
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("scripted server did not start")
-            time.sleep(0.01)
+        self._http = ThreadedServer(self.app, name="scorer-test", startup_timeout_s=20, timeout_graceful_shutdown=1)
+        self.port = self._http.port
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._http is not None:
+            self._http.stop(10)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import math
 import socket
-import threading
 
 import numpy as np
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
+from jaxprm.inprocess import ThreadedServer
 from jaxprm.serve.errors import CatchAllMiddleware, install_error_handlers
 from jaxprm.serve.logprobs import LOGPROB_FLOOR
 
@@ -157,21 +156,15 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection():
     async def ok():
         return {"ok": True}
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server = ThreadedServer(app, log_level="critical", startup_timeout_s=30)
     try:
-        while not server.started:
-            thread.join(0.01)
-        with socket.create_connection(sock.getsockname(), timeout=30) as c:
+        with socket.create_connection((server.host, server.port), timeout=30) as c:
             for _ in range(2):
                 status, answer = _raw_exchange(c, "/boom", b"{}")
                 err = json.loads(answer)["error"]
                 assert status == 500 and err["code"] == 500 and "RuntimeError: a bug" in err["message"]
             assert _raw_exchange(c, "/ok", b"{}") == (200, b'{"ok":true}')
     finally:
-        server.should_exit = True
+        server.stop(force=True)
         thread.join(10)
         sock.close()

@@ -10,16 +10,15 @@ base URL; ``token_prompts`` / ``text_prompts`` count the completion requests of 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from jaxprm.inprocess import ThreadedServer
 
 REFUSAL = "[json.exception.type_error.302] type must be string, but is array"
 
@@ -28,19 +27,12 @@ class LlamaCppLike:
     def __init__(self) -> None:
         self.token_prompts = 0
         self.text_prompts = 0
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self._sock = sock
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = Starlette(routes=[
+        self.app = Starlette(routes=[
             Route("/health", self._health, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
         ])
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off",
-                                                     timeout_graceful_shutdown=0.05))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._http: ThreadedServer | None = None
 
     async def _health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -61,16 +53,14 @@ class LlamaCppLike:
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
         })
 
+    @property
+    def url(self) -> str:
+        return self._http.url
+
     def __enter__(self) -> LlamaCppLike:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("llama.cpp-like server did not start")
-            time.sleep(0.005)
+        self._http = ThreadedServer(self.app, name="llamacpp-like", startup_timeout_s=10, log_level="error",
+                                    timeout_graceful_shutdown=0.05)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self._http.stop(10)

@@ -105,6 +105,18 @@ def test_file_then_overrides(tmp_path):
         (["ppo.target_kl=-0.1"], "ppo.target_kl"),
         (["ppo.behave_mode=clip"], "ppo.behave_mode: got 'clip'"),
         (["ppo.decoupled=true", "ppo.behave_mode=mask_sequence"], "mask_sequence needs rollout.export: concat"),
+        # the sections the libraries declare and validate (rollout.tree.TreeParams / ARPOParams,
+        # jaxprm.AdvantageParams), named by their full key
+        (["rollout.alpha=-1"], "rollout.alpha: must be >= 0, got -1"),
+        (["rollout.strategy=patr", "rollout.m=1"], "rollout.m: an expansion needs at least 2 children"),
+        (["rollout.theta=1"], "rollout.theta: must be >= 2 or null"),
+        (["rollout.b0=9"], "rollout.max_branches: the branch budget (8) must be >= b0 (9)"),
+        (["rollout.arpo.beam_size=1"], "rollout.arpo.beam_size: must be >= 2"),
+        (["rollout.arpo.top_logprobs=21"], "rollout.arpo.top_logprobs: must be in [1, 20]"),
+        (["rollout.keep=best"], "rollout.keep: got 'best'; allowed values: 'keep_all', 'best_n'"),
+        (["advantage.gamma=2"], "advantage.gamma: must be in [0, 1], got 2"),
+        (["advantage.reward_clip=0"], "advantage.reward_clip: must be a finite number > 0"),
+        (["advantage.gae_method=fast"], "advantage.gae_method: got 'fast'; allowed values: 'auto', 'scan'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
@@ -170,3 +182,29 @@ def test_env_default_is_gymnasium_layout():
     train, _ = make_tasks(e.seed, 4, 0, sizes=(e.size,), p_frozen=e.p, random_start_goal=e.random_start_goal)
     assert all(t.desc[0][0] == "S" and t.desc[-1][-1] == "G" for t in train)
     assert load_config(None, ["env.random_start_goal=true"]).env.random_start_goal is True
+
+
+def test_a_library_section_is_declared_once_and_composed():
+    """The rollout and advantage sections are the libraries' configs (inherited, not mirrored):
+    the same defaults, and the trainer's tree and advantage configs carry every field over."""
+    import dataclasses
+
+    import jaxprm
+    from jaxprm.train import adapters
+    from rollout.tree import TreeConfig, TreeParams
+
+    cfg = load_config(None, ["rollout.alpha=0.08", "rollout.keep=best_n", "rollout.arpo.entropy_weight=0.3",
+                             "rollout.theta_at=checkpoint", "advantage.gae_method=cumsum", "advantage.kl_ctl=0.01"])
+    assert isinstance(cfg.rollout, TreeParams) and isinstance(cfg.advantage, jaxprm.AdvantageParams)
+    for f in dataclasses.fields(TreeParams):
+        assert getattr(TrainConfig().rollout, f.name) == getattr(TreeParams(), f.name), f.name
+    tree = adapters.tree_config(cfg, max_context=None)
+    assert isinstance(tree, TreeConfig)
+    assert all(getattr(tree, f.name) == getattr(cfg.rollout, f.name) for f in dataclasses.fields(TreeParams))
+    adv = adapters.advantage_config(cfg)
+    assert all(getattr(adv, f.name) == getattr(cfg.advantage, f.name)
+               for f in dataclasses.fields(jaxprm.AdvantageParams))
+    # the one default the trainer changes, on purpose: GRPO groups are normalized
+    assert TrainConfig().advantage.group_reward_norm and not jaxprm.AdvantageConfig().group_reward_norm
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.alpha = 0.5
