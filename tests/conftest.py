@@ -26,13 +26,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order inside a module, and of modules within a rank, is kept
 
 
+_JAX_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                      "jax_persistent_cache_min_entry_size_bytes")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _free_jax_caches_after_each_module():
-    """Drop the module's compiled programs and dead servers' buffers: without this a worker's
-    memory grows with every module it runs."""
-    yield
+def _isolate_jax_between_modules():
+    """After each module: restore JAX's persistent-cache options (an in-process trainer run turns
+    the cache on for the whole process; the next module must not inherit that), then drop the
+    module's compiled programs and dead servers' buffers (without this a worker's memory grows
+    with every module it runs)."""
     import jax
 
+    saved = {name: getattr(jax.config, name) for name in _JAX_CACHE_OPTIONS}
+    yield
+    changed = [name for name, value in saved.items() if getattr(jax.config, name) != value]
+    for name in changed:
+        jax.config.update(name, saved[name])
+    if changed:  # JAX keeps the cache it opened until told to forget it
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
     jax.clear_caches()
     gc.collect()
 

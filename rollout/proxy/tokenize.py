@@ -147,8 +147,9 @@ def load_tokenizer(spec: str) -> ChatTokenizer:
     embedded server's tiny model."""
     if Path(spec).is_dir():
         return HFChatTokenizer(spec)
-    obj = import_object(spec, where="--tokenizer", colon_only=True,
-                        shape="a tokenizer directory or package.module:function")
+    if ":" not in spec:
+        raise ValueError(f"--tokenizer {spec!r}: not a directory and not package.module:function")
+    obj = import_object(spec, where="--tokenizer", colon_only=True, shape="package.module:function")
     tok = obj() if callable(obj) and not hasattr(obj, "encode") else obj
     for need in ("encode", "decode", "apply_chat_template", "eos_token_id"):
         if not hasattr(tok, need):

@@ -166,5 +166,3 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection():
             assert _raw_exchange(c, "/ok", b"{}") == (200, b'{"ok":true}')
     finally:
         server.stop(force=True)
-        thread.join(10)
-        sock.close()

@@ -129,8 +129,11 @@ def test_one_step_of_two_processes_equals_one_process_of_eight_devices(tmp_path)
     for key in (*DATA, *PRM):  # the rollouts of the 3 tasks (2 on process 0, 1 on process 1), their scoring
         assert t2[key] == t1[key], key
     assert t1["grad_norm"] > 0 and t1["updates"] > 0
-    for key in ("loss", "grad_norm", "approx_kl", "entropy", "adv_abs_mean", "process_reward_mean", "behave_gap"):
+    for key in ("loss", "grad_norm", "approx_kl", "entropy", "adv_abs_mean", "process_reward_mean"):
         np.testing.assert_allclose(t2[key], t1[key], rtol=2e-5, atol=1e-7, err_msg=key)
+    # the sampler-vs-learner log-prob gap is float rounding on both meshes (~3e-7 nats), not a number
+    # two reduction orders agree on: both runs see it ~0
+    assert t2["behave_gap"] < 1e-5 and t1["behave_gap"] < 1e-5
     w2, w1 = _weights(tmp_path / "two"), _weights(tmp_path / "one")
     assert w2.keys() == w1.keys()
     for k in w1:
