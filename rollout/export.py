@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
 from jaxprm.learner.packing import PackedBatch, pack_rows
-from rollout.tree import GroupResult, LeafRecord
+from rollout.tree import GroupResult, LeafRecord, ProcessRewards  # noqa: F401  (re-exported)
 from rollout.types import InteractionTree
 from scorers import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
                      filter_mixed_or_penalized_all_wrong_mask_no_eos)
@@ -31,7 +31,6 @@ from scorers import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
 __all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "export_groups_packed", "filter_groups",
            "ProcessRewards", "FILTERS"]
 
-ProcessRewards = Mapping[str, Mapping[str, np.ndarray]]
 """``{leaf_id: {interaction_id: float32[output_len]}}`` as ``PRMRunner.score_branches`` returns."""
 
 #: Group filters by name (``rollout.filter`` in the trainer): the spec's "mixed or penalized all-wrong".
@@ -91,10 +90,10 @@ def leaf_row(tree: InteractionTree, leaf: LeafRecord, group_id: int, *,
                    group_id=group_id, process_rewards=proc, turn_ids=turn_ids, truncated=bool(leaf.truncated))
 
 
-def group_rows(group: GroupResult, group_id: int, *,
-               process_rewards: ProcessRewards | None = None) -> list[RowData]:
-    """Rows for every leaf of ``group.leaves`` (the training group)."""
-    rows = []
+def group_rows(group: GroupResult, group_id: int) -> list[RowData]:
+    """Rows for every leaf of ``group.leaves`` (the training group), with the group's process
+    rewards when it carries them."""
+    rows, process_rewards = [], group.process_rewards
     for leaf in group.leaves:
         pr = None
         if process_rewards is not None:
@@ -105,28 +104,27 @@ def group_rows(group: GroupResult, group_id: int, *,
     return rows
 
 
-def export_groups(groups: Sequence[GroupResult], *, process_rewards: Sequence[ProcessRewards | None] | None = None,
-                  row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+def export_groups(groups: Sequence[GroupResult], *, row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
                   min_rows: int = 0, min_len: int = 0, max_len: int | None = None,
                   skip_empty: bool = True) -> tuple[Batch, list[ExportedRow]]:
     """Export groups to one bucketed ``Batch``; group ``i`` of the batch gets group id ``i``.
 
     Args:
-      process_rewards: per group, the runner's ``{leaf_id: {interaction_id: rewards}}`` or ``None``.
+    Each group's process rewards are the ones it carries (``GroupResult.process_rewards``).
+
       row_buckets / len_buckets / min_rows / min_len: passed to ``pad_rows`` (few distinct shapes).
       max_len: raise if a row is longer (rather than silently compile a huge shape).
       skip_empty: groups with no leaves (possible under ``best_n``) are skipped; else an error.
 
     Returns the batch and, per real row, where it came from.
     """
-    rows, meta = _export_rows(groups, process_rewards, max_len, skip_empty)
+    rows, meta = _export_rows(groups, max_len, skip_empty)
     batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
     return batch, meta
 
 
 def export_groups_packed(
-    groups: Sequence[GroupResult], *, process_rewards: Sequence[ProcessRewards | None] | None = None,
-    row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
+    groups: Sequence[GroupResult], *, row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
     min_rows: int = 0, min_len: int = 0, max_len: int | None = None, skip_empty: bool = True,
     packed_row_buckets: Sequence[int] = DEFAULT_ROW_BUCKETS, packed_len_buckets: Sequence[int] = DEFAULT_LEN_BUCKETS,
     packed_min_rows: int = 0, trees_per_row: int | None = None,
@@ -138,7 +136,7 @@ def export_groups_packed(
     several groups per packed row when they fit unless ``trees_per_row`` caps it) is what the model
     forwards; its ``flat_index`` maps the flat batch's prediction positions to packed tokens.
     """
-    rows, meta = _export_rows(groups, process_rewards, max_len, skip_empty)
+    rows, meta = _export_rows(groups, max_len, skip_empty)
     batch = pad_rows(rows, row_buckets=row_buckets, len_buckets=len_buckets, min_rows=min_rows, min_len=min_len)
     trees: dict[int, list[int]] = {}
     for m in meta:
@@ -148,19 +146,16 @@ def export_groups_packed(
     return batch, packed, meta
 
 
-def _export_rows(groups, process_rewards, max_len, skip_empty) -> tuple[list[RowData], list[ExportedRow]]:
-    if process_rewards is not None and len(process_rewards) != len(groups):
-        raise ValueError(f"process_rewards has {len(process_rewards)} entries for {len(groups)} groups")
+def _export_rows(groups, max_len, skip_empty) -> tuple[list[RowData], list[ExportedRow]]:
     rows: list[RowData] = []
     meta: list[ExportedRow] = []
     gid = 0
-    for i, g in enumerate(groups):
+    for g in groups:
         if not g.leaves:
             if skip_empty:
                 continue
             raise ValueError(f"group {g.group_key!r} has no leaves")
-        pr = None if process_rewards is None else process_rewards[i]
-        for leaf, row in zip(g.leaves, group_rows(g, gid, process_rewards=pr)):
+        for leaf, row in zip(g.leaves, group_rows(g, gid)):
             if max_len is not None and len(row.tokens) > max_len:
                 raise ValueError(f"leaf {leaf.leaf_id!r} has {len(row.tokens)} tokens > max_len={max_len}")
             meta.append(ExportedRow(row=len(rows), group=gid, group_key=g.group_key, leaf_id=leaf.leaf_id,
@@ -172,18 +167,18 @@ def _export_rows(groups, process_rewards, max_len, skip_empty) -> tuple[list[Row
     return rows, meta
 
 
-def filter_groups(groups: Sequence[GroupResult], process_rewards: Sequence[ProcessRewards | None], name: str,
-                  counters: dict[str, int]) -> tuple[list[GroupResult], list[ProcessRewards | None]]:
+def filter_groups(groups: Sequence[GroupResult], name: str, counters: dict[str, int]) -> list[GroupResult]:
     """Apply the group filter ``name`` (a key of :data:`FILTERS`) to each group's training leaves:
-    outcome reward, the branch's process rewards (its turns' arrays concatenated) and whether the
-    last response was truncated. Returns the kept groups and their process rewards; ``counters`` gets
-    the reference's counters (``scorers.FILTER_COUNTERS``, every one present, zero when unused)."""
+    outcome reward, the branch's process rewards (its turns' arrays concatenated, from the rewards
+    the group carries) and whether the last response was truncated. Returns the kept groups;
+    ``counters`` gets the reference's counters (``scorers.FILTER_COUNTERS``, every one present, zero
+    when unused)."""
     fn = FILTERS[name]
     for key in FILTER_COUNTERS:
         counters.setdefault(key, 0)
-    kept_g, kept_r = [], []
-    for g, pr in zip(groups, process_rewards, strict=True):
-        samples = []
+    kept = []
+    for g in groups:
+        pr, samples = g.process_rewards, []
         for lf in g.leaves:
             tr = None
             if pr is not None and lf.leaf_id in pr:
@@ -191,6 +186,5 @@ def filter_groups(groups: Sequence[GroupResult], process_rewards: Sequence[Proce
                 tr = np.concatenate(parts) if parts else None
             samples.append({"reward": lf.outcome_reward, "token_rewards": tr, "truncated": lf.truncated})
         if fn(samples, counters=counters):
-            kept_g.append(g)
-            kept_r.append(pr)
-    return kept_g, kept_r
+            kept.append(g)
+    return kept

@@ -384,18 +384,13 @@ class ScriptedServer:
         self.script = script
         self.app = build_app(script, tokenizer)
         self._http: ThreadedServer | None = None
-
-    @property
-    def port(self) -> int:
-        return self._http.port
-
-    @property
-    def url(self) -> str:
-        return self._http.url
+        self.port: int | None = None
+        self.url: str | None = None
 
     def start(self) -> ScriptedServer:
         self._http = ThreadedServer(self.app, name="scripted", startup_timeout_s=10, log_level="error",
                                     timeout_keep_alive=30, timeout_graceful_shutdown=0.05)
+        self.port, self.url = self._http.port, self._http.url
         return self
 
     def stop(self) -> None:

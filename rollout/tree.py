@@ -58,7 +58,7 @@ import math
 import statistics
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -78,6 +78,7 @@ __all__ = [
     "CheckpointStats",
     "GroupStats",
     "GroupResult",
+    "ProcessRewards",
     "RolloutError",
     "GroupRejected",
     "run_group",
@@ -95,6 +96,8 @@ SCORED_STRATEGIES = ("tree_random", "patr")  # trees with checkpoints
 GROUP_MODES = ("keep_all", "best_n")
 THETA_AT = ("turn", "checkpoint")
 DROPPED_UNDER_BEST_N = ("pruned", "loop")
+#: A group's process rewards: ``{leaf_id: {interaction_id: float32[output_len]}}``.
+ProcessRewards = Mapping[str, Mapping[str, np.ndarray]]
 
 
 class RolloutError(RuntimeError):
@@ -343,7 +346,10 @@ class GroupStats:
 @dataclasses.dataclass
 class GroupResult:
     """A rolled-out group. ``leaves`` is the training group (``keep`` applied);
-    ``all_leaves`` also holds the dropped ones. ``tree`` holds every interaction."""
+    ``all_leaves`` also holds the dropped ones. ``tree`` holds every interaction.
+    ``process_rewards``: once scored (``rollout.scoring.score_groups``), the scorers' token rewards
+    of every training leaf, ``{leaf_id: {interaction_id: float32[output_len]}}``; they ride on the
+    group through filters, staleness drops, the multi-host gather and the export."""
 
     group_key: str
     task: Any
@@ -351,6 +357,11 @@ class GroupResult:
     leaves: list[LeafRecord]
     all_leaves: list[LeafRecord]
     stats: GroupStats
+    process_rewards: ProcessRewards | None = None
+
+    def with_process_rewards(self, rewards: ProcessRewards | None) -> GroupResult:
+        """This group carrying ``rewards`` (a copy; the group itself is unchanged)."""
+        return dataclasses.replace(self, process_rewards=rewards)
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ class ServerHandle:
         self.app = create_app(sampler, tokenizer, config, load_fn=load_fn)
         self._http = ThreadedServer(self.app, host=host, port=port, name="jaxprm-serve", lifespan="on",
                                     log_level=log_level, access_log=True, startup_timeout_s=startup_timeout_s)
-        self.host, self.port = host, self._http.port
+        self.host, self.port, self.url = host, self._http.port, self._http.url
 
     @classmethod
     def start(cls, model, tokenizer, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "jaxprm",
@@ -59,10 +59,6 @@ class ServerHandle:
         if config is None:
             config = ServeConfig(model_name=model_name, api_key=api_key, **config_overrides)
         return cls(sampler, tokenizer, config, host=host, port=port, load_fn=load_fn)
-
-    @property
-    def url(self) -> str:
-        return self._http.url
 
     @property
     def base_url(self) -> str:

@@ -97,13 +97,12 @@ class Learner:
         return multihost.host_copy(self.state.params) if self.multi else self.state.params
 
     # -- learning -------------------------------------------------------------------------------
-    def learn_groups(self, groups, rewards, step: int) -> dict[str, float]:
-        """One update from rolled-out groups and their process rewards (``None`` entries: none)."""
+    def learn_groups(self, groups, step: int) -> dict[str, float]:
+        """One update from rolled-out groups (with the process rewards they carry, if scored)."""
         if self.packed_step is not None:
-            return self._learn_packed(groups, rewards, step)
+            return self._learn_packed(groups, step)
         batch, meta = export_groups(
-            groups, process_rewards=rewards if self.cfg.prm.active else None,
-            row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
+            groups, row_buckets=(self.capacity,), len_buckets=tuple(self.cfg.ppo.len_buckets), min_rows=self.capacity)
         return self.learn_batch(batch, len(meta), step)
 
     def learn_rows(self, rows, step: int) -> dict[str, float]:
@@ -122,14 +121,13 @@ class Learner:
         self.state, m = self.flat_step(self.state, data, self._key(step))
         return {**self._finish(m, batch, adv), "rows": n_rows}
 
-    def _learn_packed(self, groups, rewards, step: int) -> dict[str, float]:
+    def _learn_packed(self, groups, step: int) -> dict[str, float]:
         """``rollout.export: tree_packed``: the groups exported flat (for ``compute_advantages``) and
         packed (for the model); a step whose groups share less than ``MIN_SHARING`` trains on the
         flat rows."""
         ppo = self.cfg.ppo
         batch, packed, meta = export_groups_packed(
-            groups, process_rewards=rewards if self.cfg.prm.active else None,
-            row_buckets=(self.capacity,), len_buckets=tuple(ppo.len_buckets), min_rows=self.capacity,
+            groups, row_buckets=(self.capacity,), len_buckets=tuple(ppo.len_buckets), min_rows=self.capacity,
             packed_row_buckets=packed_row_buckets(self.row_multiple), packed_len_buckets=tuple(ppo.packed_len_buckets))
         flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
         use_packed = flat_tokens >= MIN_SHARING * packed_tokens

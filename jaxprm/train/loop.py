@@ -59,7 +59,7 @@ from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, 
 from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
 from jaxprm.train.generation import Generation
 from jaxprm.train.learner import Learner
-from jaxprm.train.overlap import RolloutProducer, drop_stale, group_version
+from jaxprm.train.overlap import RolloutProducer, drop_stale
 from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
@@ -143,15 +143,15 @@ def _fmt(res: dict[str, Any]) -> str:
 
 @dataclasses.dataclass
 class _Collected:
-    """One step's rollouts, scored and filtered: the train row so far, the groups to learn from with
-    their process rewards and weight versions (``overlap.group_version``), the task stream's position
-    after the step's tasks, and the rollout and scoring spans."""
+    """One step's rollouts, scored and filtered: the train row so far, the groups to learn from
+    (carrying their process rewards), the weight version the server had as their rollouts started
+    (``overlap.group_version``'s default), the task stream's position after the step's tasks, and
+    the rollout and scoring spans."""
 
     step: int
     row: dict[str, Any]
     kept: list
-    rewards: list
-    versions: list[int]
+    served: int
     data_pos: int
     rollout: Any
     scoring: Any
@@ -243,14 +243,13 @@ class _Job:
             self.log(f"resume config recorded in {path.relative_to(self.run_dir)} ({what})")
 
     # -- pieces of a step -----------------------------------------------------------------------
-    async def score(self, groups, scored: ScoredGroups | None = None) -> tuple[list, list, dict[str, float]]:
-        """Process rewards per group (PRM active) and the group filter; returns the kept groups,
-        their process rewards and the row's stats (rejections by reason, the spec's
+    async def score(self, groups, scored: ScoredGroups | None = None) -> tuple[list, dict[str, float]]:
+        """Process rewards per group (PRM active) and the group filter; returns the kept groups
+        (carrying their process rewards) and the row's stats (rejections by reason, the spec's
         ``rollout/prm_...`` metrics of the scored groups, filter counters). ``scored``: the groups'
         scoring, already done (a distributed step scores each process's share, then gathers them; see
         ``train_step``)."""
         stats: dict[str, float] = {}
-        rewards: list = [None] * len(groups)
         if self.prm is not None:
             scored = scored if scored is not None else await score_groups(self.prm, groups)
             for key, reason in scored.reasons:
@@ -258,12 +257,12 @@ class _Job:
             stats["prm_rejected_groups"] = sum(scored.rejected.values())
             stats.update({f"prm_rejected/{kind}": n for kind, n in scored.rejected.items()})
             stats.update(scored.metrics.summary())
-            groups, rewards = scored.groups, scored.rewards
+            groups = scored.groups
         if self.cfg.rollout.filter != "none":
             counters: dict[str, int] = {}
-            groups, rewards = filter_groups(groups, rewards, self.cfg.rollout.filter, counters)
+            groups = filter_groups(groups, self.cfg.rollout.filter, counters)
             stats.update({f"filter/{k}": v for k, v in counters.items()})
-        return groups, rewards, stats
+        return groups, stats
 
     async def run_eval(self, step: int) -> dict[str, float]:
         with self.times.phase("eval") as span:
@@ -325,7 +324,8 @@ class _Job:
         with self.times.phase("rollout") as waiting:
             c = await producer.get()
         assert c.step == step, (c.step, step)
-        c.kept, c.rewards, stale = drop_stale(c.kept, c.rewards, c.versions, step - 1, producer.max_staleness)
+        c.kept, stale = drop_stale(c.kept, served=c.served, learner_version=step - 1,
+                                   max_staleness=producer.max_staleness)
         c.row.update(stale, kept_groups=len(c.kept), rollout_wait_s=waiting.wall, rollouts_ahead=producer.ahead)
         row = await self.learn_step(c, t0, (waiting,), in_thread=True)
         await producer.served(step)
@@ -337,7 +337,7 @@ class _Job:
         step = c.step
 
         def learn() -> dict[str, Any]:
-            return self._learn_or_skip(step, lambda: self.learner.learn_groups(c.kept, c.rewards, step) if c.kept else None)
+            return self._learn_or_skip(step, lambda: self.learner.learn_groups(c.kept, step) if c.kept else None)
 
         with self.times.phase("learn") as learning:
             c.row.update(await asyncio.to_thread(learn) if in_thread else learn())
@@ -347,7 +347,7 @@ class _Job:
     async def _collect_round(self, step: int, rnd: int, scorer, phase, n_tasks: int):
         """One round of a step's rollouts: the next ``n_tasks`` tasks rolled out (this
         process's share), overlong shaping, process rewards and the filter, gathered over the
-        processes. Returns ``(groups, kept, rewards, rejected, stats, groups per process, rollout span,
+        processes. Returns ``(groups, kept, rejected, stats, groups per process, rollout span,
         scoring span)``."""
         cfg = self.cfg
         # every process takes the same tasks and rolls out its share (all of them in one process);
@@ -372,8 +372,8 @@ class _Job:
                 scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
                 split = [len(p[0]) for p in parts]
                 stats = _summed_stats([p[3] for p in parts])
-            kept, rewards, fstats = await self.score(groups, scored)
-        return groups, kept, rewards, branch_rejected, {**stats, **fstats}, split, rollout, scoring
+            kept, fstats = await self.score(groups, scored)
+        return groups, kept, branch_rejected, {**stats, **fstats}, split, rollout, scoring
 
     async def collect(self, step: int, scorer, *, timed: bool = True) -> _Collected:
         """Rollout -> scoring -> filter for step ``step`` (``timed``: as phases of the run; the
@@ -385,7 +385,7 @@ class _Job:
         served = self.gen.version  # the weights the server has as the rollouts start
         dynamic = dapo.dynamic_sampling(cfg)
         want = cfg.rollout.tasks_per_step
-        groups, kept, rewards, branch_rejected, rounds = [], [], [], [], []
+        groups, kept, branch_rejected, rounds = [], [], [], []
         tasks_so_far, capped = 0, False
         while not rounds or (dynamic and len(kept) < want and len(rounds) < cfg.rollout.dapo.max_rounds):
             n_tasks = dapo.round_tasks(want, tasks_so_far=tasks_so_far, max_tokens=cfg.rollout.dapo.max_tokens_per_step,
@@ -393,23 +393,22 @@ class _Job:
             capped = n_tasks < want
             if n_tasks == 0:  # the step's token cap is spent
                 break
-            r_groups, r_kept, r_rewards, r_rejected, r_stats, r_split, r_roll, r_score = await self._collect_round(
+            r_groups, r_kept, r_rejected, r_stats, r_split, r_roll, r_score = await self._collect_round(
                 step, len(rounds), scorer, phase, n_tasks)
             tasks_so_far += n_tasks
             groups += r_groups
             branch_rejected += r_rejected
             if dynamic:
-                mixed = [i for i, g in enumerate(r_kept) if dapo.is_mixed(g)]
+                mixed = [g for g in r_kept if dapo.is_mixed(g)]
                 r_stats["dynamic_dropped_groups"] = len(r_kept) - len(mixed)
-                r_kept, r_rewards = [r_kept[i] for i in mixed], [r_rewards[i] for i in mixed]
+                r_kept = mixed
             kept += r_kept
-            rewards += r_rewards
             rounds.append((r_stats, r_split, r_roll, r_score))
         fstats = _summed_stats([r[0] for r in rounds])
         process_groups = [sum(parts) for parts in zip(*(r[1] for r in rounds))]
         rollout, scoring = _summed_spans([r[2] for r in rounds]), _summed_spans([r[3] for r in rounds])
         if dynamic:
-            kept, rewards = kept[:want], rewards[:want]
+            kept = kept[:want]
             fstats["dynamic_rounds"] = len(rounds)
             fstats["dynamic_token_capped"] = float(capped)
         data_pos = self.stream.pos
@@ -435,7 +434,7 @@ class _Job:
             # the innermost error of each rejection (the scorer's own: ScorerHTTPError, ConnectionError, ...)
             row.update({f"branch_rejected_cause/{k}": n for k, n in
                         collections.Counter(r.causes[-1] for r in branch_rejected if r.causes).items()})
-        return _Collected(step, row, kept, rewards, [group_version(g, served) for g in kept], data_pos, rollout, scoring)
+        return _Collected(step, row, kept, served, data_pos, rollout, scoring)
 
     def _learn_or_skip(self, step: int, learn) -> dict[str, Any]:
         """``learn()``'s metrics, or (nothing to learn from: it returned ``None``) a skipped step."""

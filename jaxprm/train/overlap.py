@@ -37,18 +37,18 @@ def group_version(group: Any, default: int) -> int:
     return min(versions) if versions else default
 
 
-def drop_stale(groups: Sequence[Any], rewards: Sequence[Any], versions: Sequence[int], learner_version: int,
-               max_staleness: int) -> tuple[list, list, dict[str, float]]:
-    """The groups (and their rewards) at most ``max_staleness`` versions behind ``learner_version``,
-    and the row's stats: ``stale_dropped_groups``, ``staleness_mean`` / ``staleness_max`` over the
-    kept groups (versions)."""
-    lags = [learner_version - v for v in versions]
+def drop_stale(groups: Sequence[Any], *, served: int, learner_version: int,
+               max_staleness: int) -> tuple[list, dict[str, float]]:
+    """The groups at most ``max_staleness`` versions behind ``learner_version`` (a group's version:
+    :func:`group_version`, ``served`` when the server reported none), and the row's stats:
+    ``stale_dropped_groups``, ``staleness_mean`` / ``staleness_max`` over the kept groups."""
+    lags = [learner_version - group_version(g, served) for g in groups]
     keep = [i for i, lag in enumerate(lags) if lag <= max_staleness]
     kept_lags = [lags[i] for i in keep]
     stats = {"stale_dropped_groups": len(groups) - len(keep),
              "staleness_mean": float(np.mean(kept_lags)) if kept_lags else 0.0,
              "staleness_max": float(max(kept_lags)) if kept_lags else 0.0}
-    return [groups[i] for i in keep], [rewards[i] for i in keep], stats
+    return [groups[i] for i in keep], stats
 
 
 class RolloutProducer:

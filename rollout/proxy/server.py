@@ -34,6 +34,9 @@ class ProxyServer:
         self.proxy = proxy
         self.app = app
         self._http: LoopServer | None = None
+        self.host: str | None = None
+        self.port: int | None = None
+        self.url: str | None = None  # http://host:port, once serving
         self._lifespan: contextlib.AbstractAsyncContextManager | None = None
 
     @classmethod
@@ -49,22 +52,11 @@ class ProxyServer:
         try:
             self._http = await LoopServer.start(app, host=host, port=port, name="proxy-http", log_level=log_level,
                                                 timeout_keep_alive=60)
+            self.host, self.port, self.url = self._http.host, self._http.port, self._http.url
         except BaseException:
             await self.stop()
             raise
         return self
-
-    @property
-    def host(self) -> str:
-        return self._http.host
-
-    @property
-    def port(self) -> int:
-        return self._http.port
-
-    @property
-    def url(self) -> str:
-        return self._http.url
 
     @property
     def base_url(self) -> str:

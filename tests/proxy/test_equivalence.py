@@ -41,7 +41,7 @@ def _tree_rows(url, tok, task, invalid_ends, theta):
             scored = await score_groups(runner, [group])
         finally:
             await runner.aclose()
-        rows = group_rows(group, 0, process_rewards=scored.rewards[0])
+        rows = group_rows(scored.groups[0], 0)  # the scored group carries its process rewards
         return {lf.branch_id: (lf, row) for lf, row in zip(group.leaves, rows)}
 
     return asyncio.run(go())

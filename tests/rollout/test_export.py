@@ -79,7 +79,7 @@ def test_process_rewards_are_stitched(groups):
             per_leaf[lf.leaf_id] = {it.id: np.full(it.output_len, 0.1 * (k + 1), np.float32)
                                     for k, it in enumerate(g.tree.branch(lf.leaf_id))}
         prs.append(per_leaf)
-    batch, meta = export_groups(groups, process_rewards=prs)
+    batch, meta = export_groups([g.with_process_rewards(pr) for g, pr in zip(groups, prs)])
     proc = np.asarray(batch.process_rewards)
     for m in meta:
         for k, it in enumerate(groups[m.group].tree.branch(m.leaf_id)):
@@ -92,9 +92,10 @@ def test_process_rewards_are_stitched(groups):
     iid = next(iter(bad[0][leaf]))
     bad[0][leaf] = {**bad[0][leaf], iid: np.zeros(999, np.float32)}
     with pytest.raises(ValueError, match="length 999"):
-        export_groups(groups, process_rewards=bad)
+        export_groups([g.with_process_rewards(pr) for g, pr in zip(groups, bad)])
     with pytest.raises(KeyError, match="no entry for leaf"):
-        export_groups(groups, process_rewards=[{}, {}, {}])
+        export_groups([g.with_process_rewards({}) for g in groups])
+    assert groups[0].process_rewards is None  # attaching rewards copies the group
 
 
 def test_bucketed_shapes_are_stable(groups):
@@ -153,15 +154,15 @@ def test_group_filters_follow_the_reference_rule_and_record_its_counters(groups)
     pen_rewards = {lf.leaf_id: {"t": np.array([-0.5 if i == 0 else 0.0, 0.0], np.float32)}
                    for i, lf in enumerate(penalized.leaves)}
     perfect = _relabel(g, [1.0] * n, eos)
+    penalized = penalized.with_process_rewards(pen_rewards)
     todo = [mixed, penalized, perfect]
-    rewards = [None, pen_rewards, None]
     counters: dict = {}
-    kept, kept_r = filter_groups(todo, rewards, "mixed_or_penalized_all_wrong", counters)
-    assert kept == [mixed, penalized] and kept_r == [None, pen_rewards]
+    kept = filter_groups(todo, "mixed_or_penalized_all_wrong", counters)
+    assert kept == [mixed, penalized] and kept[1].process_rewards is pen_rewards
     assert counters == {"accepted_mixed": 1, "accepted_penalized_all_wrong": 1, "rejected_by_all_correct": 1,
                         "rejected_by_all_wrong": 0, "rejected_by_failed_or_perfect": 1}
     counters = {}
-    kept, _ = filter_groups(todo, rewards, "mixed_or_penalized_all_wrong_mask_no_eos", counters)
+    kept = filter_groups(todo, "mixed_or_penalized_all_wrong_mask_no_eos", counters)
     assert kept == [mixed]  # the truncated sample's penalty does not count in the all-wrong test
     assert counters == {"accepted_mixed": 1, "accepted_penalized_all_wrong": 0, "rejected_by_all_correct": 1,
                         "rejected_by_all_wrong": 1, "rejected_by_failed_or_perfect": 2}

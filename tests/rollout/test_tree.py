@@ -139,7 +139,7 @@ def test_process_rewards_score_exactly_the_exported_leaves(serve, prompts):
     rec = Recorder(fail_on=dropped)
     scored = run(score_groups(PRMRunner(None, scorers=[rec]), [g]))
     # only the exported leaves were scored: a scorer that fails on the dropped branch does not reject the group
-    assert rec.leaves == exported and not scored.rejected and set(scored.rewards[0]) == exported
+    assert rec.leaves == exported and not scored.rejected and set(scored.groups[0].process_rewards) == exported
     assert scored.metrics.summary()["rollout/prm_trajectory_reward/recorder"] == pytest.approx(0.1 * 4)
 
 

@@ -34,7 +34,7 @@ def test_patr_with_frozenlake_progress_scorer_and_prm_export(serve, tok, prompts
     assert g.stats.leaves == 8 and g.stats.checkpoints
     for c in g.stats.checkpoints:
         assert all(0.0 <= s <= 1.0 for s in c.scores)
-    batch, meta = export_groups([g], process_rewards=[sess.token_rewards])
+    batch, meta = export_groups([g.with_process_rewards(sess.token_rewards)])
     proc = np.asarray(batch.process_rewards)
     mask = np.asarray(batch.loss_mask)
     assert np.all(proc[mask == 0] == 0)

@@ -93,9 +93,9 @@ def test_a_group_is_as_old_as_its_oldest_token_and_stale_groups_are_dropped():
     mixed = _Group([_Interaction(_Response(3)), _Interaction(_Response(2)), _Interaction(None)])  # updated mid-rollout
     unknown = _Group([_Interaction(_Response(None))])  # a server that reports no versions
     assert group_version(mixed, default=9) == 2 and group_version(unknown, default=1) == 1
-    groups, rewards = ["a", "b", "c"], [None, "rb", None]
-    kept, kept_rewards, stats = drop_stale(groups, rewards, [4, 2, 3], learner_version=4, max_staleness=1)
-    assert kept == ["a", "c"] and kept_rewards == [None, None]
+    fresh, stale, known = (_Group([_Interaction(_Response(v))]) for v in (4, 2, 3))
+    kept, stats = drop_stale([fresh, stale, known], served=9, learner_version=4, max_staleness=1)
+    assert kept == [fresh, known]
     assert stats == {"stale_dropped_groups": 1, "staleness_mean": 0.5, "staleness_max": 1.0}
 
 
