@@ -40,12 +40,14 @@ def test_dapo_keeps_only_mixed_groups_and_rolls_out_again_until_the_batch_is_ful
     assert 0 <= row["overlong_punished"] <= 1 and row["overlong_penalty_mean"] <= 0
 
 
+@pytest.mark.slow  # default coverage: tests/rollout/test_tree.py::test_group_sizes_match_config (arpo)
 def test_arpo_spends_exactly_the_group_budget(tmp_path):
     row = _row("configs/arpo.yaml", tmp_path, "rollout.max_branches=4")
     assert row["trajectories"] == 3 * 4
     assert "expanded" in row
 
 
+@pytest.mark.slow  # default coverage: test_tree.py's tree_random-without-refill and theta_at=checkpoint tests
 def test_the_paper_faithful_patr_never_refills(tmp_path):
     row = _row("configs/patr_paper.yaml", tmp_path)
     assert row["refills"] == 0
