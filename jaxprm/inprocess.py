@@ -15,10 +15,10 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["LoopServer", "ThreadedServer", "bind"]
+__all__ = ["LoopServer", "ThreadedServer"]
 
 
-def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+def _bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``port=0``: a free port; IPv6 when ``host`` has a colon)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,7 +42,7 @@ class _Bound:
     """A socket bound before serving: ``host``, ``port``, ``url`` (``http://host:port``)."""
 
     def __init__(self, app: Any, host: str, port: int, uvicorn_kwargs: dict[str, Any]) -> None:
-        self._sock = bind(host, port)
+        self._sock = _bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         kw = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         kw.update(uvicorn_kwargs)
@@ -52,10 +52,6 @@ class _Bound:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
-
-    @property
-    def started(self) -> bool:
-        return self._server.started
 
     def _close_socket(self) -> None:
         with contextlib.suppress(OSError):

@@ -104,12 +104,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _section_key(owner: type | None, tp: Any = None, prefix: str = "") -> str:
     """The dotted YAML key (with a trailing dot) of the section whose class is ``owner`` ("" if none)."""
     tp = TrainConfig if tp is None else tp
-    for f in dataclasses.fields(tp):
-        hint = typing.get_type_hints(tp)[f.name]
+    for name, hint in typing.get_type_hints(tp).items():
         if dataclasses.is_dataclass(hint):
             if hint is owner:
-                return f"{prefix}{f.name}."
-            found = _section_key(owner, hint, f"{prefix}{f.name}.")
+                return f"{prefix}{name}."
+            found = _section_key(owner, hint, f"{prefix}{name}.")
             if found:
                 return found
     return ""
