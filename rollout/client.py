@@ -110,7 +110,7 @@ class SamplingParams:
             raise ValueError(f"top_logprobs={self.top_logprobs}; must be in [0, {MAX_TOP_LOGPROBS}]")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
     """Where and how to call the generation server(s).
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch, RowData, pad_rows
 from jaxprm.learner.packing import PackedBatch, pack_rows
-from rollout.tree import GroupResult, LeafRecord, ProcessRewards  # noqa: F401  (re-exported)
+from rollout.groups import GroupResult, LeafRecord, ProcessRewards  # noqa: F401  (re-exported)
 from rollout.types import InteractionTree
 from scorers import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
                      filter_mixed_or_penalized_all_wrong_mask_no_eos)

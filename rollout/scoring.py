@@ -14,7 +14,7 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from rollout.tree import GroupResult
+from rollout.groups import GroupResult
 from scorers import MetricsAccumulator, PRMRunner, ScoringRejected, namespace_for
 
 __all__ = ["ScoredGroups", "score_groups"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.tree import GroupResult
+from rollout.groups import GroupResult
 
 __all__ = ["describe_groups", "summarize_groups"]
 

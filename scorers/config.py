@@ -22,7 +22,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from jaxprm.imports import import_object
 from jaxprm.modes import SHAPING_MODES
@@ -61,14 +61,15 @@ def _bool(where: str, value: Any) -> bool:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ScorerSpec:
-    """One configured scorer: a dotted class path, its weight, on/off switch and constructor kwargs."""
+    """One configured scorer: a dotted class path (required), its weight, on/off switch and
+    constructor kwargs. The trainer's ``prm.scorers`` entries are these."""
 
     path: str
     weight: float = 1.0
     enabled: bool = True
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path.strip():
@@ -93,7 +94,7 @@ class ScorerSpec:
             raise type(err)(f"{where}: {err}") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AdvantageShapingConfig:
     """How the learner applies direct process rewards after GAE and normalization.
 
@@ -105,7 +106,7 @@ class AdvantageShapingConfig:
     All numbers must be finite and ``>= 0``.
     """
 
-    mode: str = "additive"
+    mode: Literal[SHAPING_MODES] = "additive"
     negative_scale: float = 0.2
     zero_penalty: float = 0.4
     zero_eps: float = 1e-6
@@ -125,20 +126,21 @@ class AdvantageShapingConfig:
         return cls(**dict(data))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PRMConfig:
-    """Process-reward configuration.
+    """Process-reward configuration (the trainer's ``prm`` section is this class, with scoring off by
+    default).
 
     Attributes:
       enabled: master switch; ``False`` means no scorer is built or run.
-      scorers: ``ScorerSpec`` entries (mappings are converted), built in order.
+      scorers: ``ScorerSpec`` entries (mappings are converted), built in order; stored as a tuple.
       advantage_shaping: the learner's shaping settings.
       max_concurrent_sessions: sessions (groups) scored at once by ``PRMRunner.score_sessions``.
       timeout_s: bound on scoring one session; past it the session is rejected.
     """
 
     enabled: bool = True
-    scorers: tuple[ScorerSpec, ...] = ()
+    scorers: list[ScorerSpec] = dataclasses.field(default_factory=list)
     advantage_shaping: AdvantageShapingConfig = dataclasses.field(default_factory=AdvantageShapingConfig)
     max_concurrent_sessions: int = 8
     timeout_s: float = 300.0

@@ -33,7 +33,7 @@ from jaxprm.serve.weights import resolve_roots
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Server options.
 
@@ -96,7 +96,7 @@ class ServeConfig:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (None serves without a key)")
-        self.weights_roots = resolve_roots(self.weights_roots)
+        object.__setattr__(self, "weights_roots", resolve_roots(self.weights_roots))
         for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes",
                     "max_request_tokens"):
             if getattr(self, key) is not None and int(getattr(self, key)) < 1:

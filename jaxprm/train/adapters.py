@@ -19,8 +19,8 @@ from jaxprm.train.config import TrainConfig
 from rollout.client import ClientConfig, SamplingParams
 from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
 from rollout.evaluate import EvalSettings
-from rollout.tree import TreeConfig
-from scorers import BaseScorer, PRMConfig, resolve_scorer_class
+from rollout.groups import TreeConfig
+from scorers import BaseScorer, resolve_scorer_class
 
 __all__ = [
     "advantage_config",
@@ -29,7 +29,6 @@ __all__ = [
     "env_factory",
     "eval_settings",
     "loss_kwargs",
-    "prm_config",
     "row_capacity",
     "tasks",
     "total_updates",
@@ -83,11 +82,6 @@ def client_config(cfg: TrainConfig, urls: list[str], *, api_key: str | None) -> 
     return ClientConfig(endpoints=tuple(urls), dialect=s.dialect, model=s.model_name or "jaxprm",
                         api_key=api_key, timeout_s=s.timeout_s, max_retries=s.max_retries,
                         max_concurrency=s.concurrency, require_tokens=s.token_backed)
-
-
-def prm_config(cfg: TrainConfig) -> PRMConfig:
-    """The ``prm`` section as ``scorers.PRMConfig``."""
-    return PRMConfig.from_dict(dataclasses.asdict(cfg.prm))
 
 
 def branch_scorer(cfg: TrainConfig) -> BaseScorer | None:

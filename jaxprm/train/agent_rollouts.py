@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from jaxprm.train.adapters import prm_config
 from jaxprm.train.setup import TrainError
 from rollout.export import FILTERS
 from rollout.proxy import ProxyConfig, ProxyServer
@@ -64,7 +63,7 @@ class AgentRollouts:
             raise TrainError(f"agent.workflow={ag.workflow!r}: {e}") from None
         config = ProxyConfig(
             upstream=self.upstream, admin_key=secrets.token_urlsafe(32), chat_template_type=ag.chat_template_type,
-            prm=prm_config(self.cfg).to_dict() if self.cfg.prm.active else None,
+            prm=self.cfg.prm.to_dict() if self.cfg.prm.active else None,
             default_max_tokens=self.cfg.rollout.max_new_tokens, max_context_tokens=self.max_context_tokens,
             session_timeout_s=ag.session_timeout_s, drain_timeout_s=ag.timeout_s)
         try:

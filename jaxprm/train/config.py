@@ -51,8 +51,7 @@ from jaxprm.train.schema import (  # noqa: F401  (the sections, re-exported: cal
 )
 from jaxprm.fields import FieldError
 from jaxprm.train.schema import __all__ as SCHEMA_NAMES
-from rollout.tree import FLAT_STRATEGIES
-from scorers import ScorerSpec as RunnerScorerSpec
+from rollout.groups import FLAT_STRATEGIES
 from scorers import check_scorer_specs, validate_prm_config
 
 __all__ = [
@@ -98,6 +97,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_explain(e)) from None
     except FieldError as e:
         raise ConfigError(f"{_section_key(e.owner)}{e}") from None
+    except (ValueError, TypeError) as e:  # the scorers' configs name their own keys (prm.timeout_s, ...)
+        raise ConfigError(str(e)) from None
     return validate(cfg)
 
 
@@ -132,7 +133,16 @@ def _override(ov: str) -> dict[str, Any]:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """A config as plain YAML data (nested dicts; sequences as lists)."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def dump_yaml(cfg: Any) -> str:
@@ -253,19 +263,16 @@ def validate_prm(cfg: TrainConfig) -> None:
     """The process-reward rules (the scorers' validator, with the trainer's keys) and the branch scorer."""
     try:
         validate_prm_config(
-            dataclasses.asdict(cfg.prm), export_style="concat", token_backed=cfg.server.token_backed,  # tree_packed packs concat rows
+            cfg.prm, export_style="concat", token_backed=cfg.server.token_backed,  # tree_packed packs concat rows
             token_rewards_as_adv=cfg.advantage.token_rewards_as_adv,
             mask_no_eos_with_zero=cfg.advantage.mask_no_eos_with_zero,
             external_string_backend=cfg.server.kind == "external" and not cfg.server.token_backed,
             keys=PRM_RULE_KEYS, resolve=True, build=True)
         if cfg.rollout.strategy == "patr":
-            check_scorer_specs([_as_spec(cfg.rollout.branch_scorer)], where="rollout.branch_scorer", build=True)
+            spec = ScorerSpec(path=cfg.rollout.branch_scorer.path, kwargs=cfg.rollout.branch_scorer.kwargs)
+            check_scorer_specs([spec], where="rollout.branch_scorer", build=True)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).replace("rollout.branch_scorer[0]", "rollout.branch_scorer")) from None
-
-
-def _as_spec(b: BranchScorerSpec) -> RunnerScorerSpec:
-    return RunnerScorerSpec(path=b.path, kwargs=b.kwargs)
 
 
 def validate_agent(cfg: TrainConfig) -> None:
@@ -290,7 +297,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     """Range and cross-field checks; raises :class:`ConfigError` naming the key."""
     _check(cfg.steps >= 0, "steps", f"must be >= 0, got {cfg.steps}")
     _positive(cfg, "", "log_every")
-    r = cfg.rollout  # the group's shape (rollout.tree.TreeParams) validated itself on loading
+    r = cfg.rollout  # the group's shape (rollout.groups.TreeParams) validated itself on loading
     _positive(r, "rollout", "tasks_per_step", "max_new_tokens")
     _check(0 < r.temperature <= 10, "rollout.temperature", f"must be in (0, 10], got {r.temperature}")
     _check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")

@@ -35,31 +35,32 @@ In a distributed run (``distributed.enabled``, ``jaxprm.train.multihost``) each 
 and scores its share of the step's tasks, the groups are gathered to every process, and the learner
 steps on the mesh over all of them; process 0 writes the run directory.
 
-The translations from the config to each package's settings are in ``jaxprm.train.adapters``.
+Steps 1-4 are ``jaxprm.train.collect``; how steps are driven (synchronous, asynchronous, agents)
+and the shared learn -> check -> sync -> log body are ``jaxprm.train.drivers``; this module owns the
+run's resources, setup, evaluation, checkpoints and outputs. The translations from the config to
+each package's settings are in ``jaxprm.train.adapters``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 from jaxprm.models import save_pretrained
-from jaxprm.train import adapters, dapo, multihost, plots
+from jaxprm.train import adapters, multihost, plots
 from jaxprm.train.agent_rollouts import AgentRollouts
-from jaxprm.train.compilation import (METER, BackgroundCompiler, CompileTotals, PhaseTimes, Span,
-                                      enable_persistent_cache, measured)
-from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
+from jaxprm.train.collect import StepCollector
+from jaxprm.train.compilation import METER, BackgroundCompiler, CompileTotals, PhaseTimes, enable_persistent_cache
+from jaxprm.train.config import TrainConfig
+from jaxprm.train.drivers import AgentSteps, AsyncSteps, StepDriver, SyncSteps
 from jaxprm.train.generation import Generation
 from jaxprm.train.learner import Learner
-from jaxprm.train.overlap import RolloutProducer, drop_stale
 from jaxprm.train.resume import record_resume
 from jaxprm.train.rundir import CheckpointError, Checkpointer, MetricsLog, read_metrics
 from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distributed, load_policy, lock_run_dir,
@@ -67,28 +68,12 @@ from jaxprm.train.setup import (Cleanup, TaskStream, TrainError, init_distribute
 from jaxprm.train.step import make_mesh
 from jaxprm.train.warmstart import warm_start
 from rollout.evaluate import EvalResult, eval_metrics, evaluate
-from rollout.export import filter_groups
-from rollout.scoring import ScoredGroups, score_groups
-from rollout.stats import describe_groups
 from rollout.client import GenerationError
-from rollout.tree import GroupRejected, RolloutError, run_groups
+from rollout.groups import RolloutError
+from rollout.scoring import ScoredGroups, score_groups
 from scorers import PRMRunner
 
 __all__ = ["TrainError", "Summary", "train"]
-
-
-def _summed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Row stats of several rounds (or processes): integer counters add up, means are averaged."""
-    out: dict[str, Any] = {}
-    for k in dict.fromkeys(k for p in parts for k in p):
-        vals = [p[k] for p in parts if k in p]
-        out[k] = sum(vals) if all(isinstance(v, int) for v in vals) else float(np.mean(vals))
-    return out
-
-
-def _summed_spans(spans: list[Span]) -> Span:
-    """One span for phases run in several rounds (their wall and compile seconds added)."""
-    return Span(wall=sum(s.wall for s in spans), compile=sum(s.compile for s in spans))
 
 
 @dataclasses.dataclass
@@ -141,23 +126,10 @@ def _fmt(res: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Collected:
-    """One step's rollouts, scored and filtered: the train row so far, the groups to learn from
-    (carrying their process rewards), the weight version the server had as their rollouts started
-    (``overlap.group_version``'s default), the task stream's position after the step's tasks, and
-    the rollout and scoring spans."""
-
-    step: int
-    row: dict[str, Any]
-    kept: list
-    served: int
-    data_pos: int
-    rollout: Any
-    scoring: Any
-
-
 class _Job:
+    """One training run: its resources (closed in reverse order), setup, the loop over steps (each
+    step is its driver's), evaluation, checkpoints and the finished run's outputs."""
+
     def __init__(self, cfg: TrainConfig, resume: bool, log) -> None:
         self.cfg, self.resume, self.log = cfg, resume, log
         self.cleanup = Cleanup(log)
@@ -228,7 +200,6 @@ class _Job:
         self.cleanup.push("metrics log", self.metrics.close)
         multihost.barrier("jaxprm-metrics-log")  # read below after process 0 truncated it (resume)
         self.stream = TaskStream(self.train_tasks, cfg.seed, data_pos)
-        self.consumed_pos = data_pos  # the tasks learned from (asynchronous rollouts take them ahead)
         if cfg.rollout.asynchronous and cfg.rollout.max_staleness > 0 and not cfg.ppo.decoupled:
             self.log(f"WARNING: rollout.asynchronous with max_staleness={cfg.rollout.max_staleness} learns from "
                      "groups sampled by older weights; ppo.decoupled=true corrects for it")
@@ -242,28 +213,7 @@ class _Job:
             what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes) or "no overrides"
             self.log(f"resume config recorded in {path.relative_to(self.run_dir)} ({what})")
 
-    # -- pieces of a step -----------------------------------------------------------------------
-    async def score(self, groups, scored: ScoredGroups | None = None) -> tuple[list, dict[str, float]]:
-        """Process rewards per group (PRM active) and the group filter; returns the kept groups
-        (carrying their process rewards) and the row's stats (rejections by reason, the spec's
-        ``rollout/prm_...`` metrics of the scored groups, filter counters). ``scored``: the groups'
-        scoring, already done (a distributed step scores each process's share, then gathers them; see
-        ``train_step``)."""
-        stats: dict[str, float] = {}
-        if self.prm is not None:
-            scored = scored if scored is not None else await score_groups(self.prm, groups)
-            for key, reason in scored.reasons:
-                self.log(f"process rewards rejected group {key}: {reason}")
-            stats["prm_rejected_groups"] = sum(scored.rejected.values())
-            stats.update({f"prm_rejected/{kind}": n for kind, n in scored.rejected.items()})
-            stats.update(scored.metrics.summary())
-            groups = scored.groups
-        if self.cfg.rollout.filter != "none":
-            counters: dict[str, int] = {}
-            groups = filter_groups(groups, self.cfg.rollout.filter, counters)
-            stats.update({f"filter/{k}": v for k, v in counters.items()})
-        return groups, stats
-
+    # -- pieces of a run -------------------------------------------------------------------------
     async def run_eval(self, step: int) -> dict[str, float]:
         with self.times.phase("eval") as span:
             settings = adapters.eval_settings(self.cfg, max_context=self.gen.max_context)
@@ -293,186 +243,13 @@ class _Job:
     def checkpoint(self, step: int) -> None:
         with self.times.phase("checkpoint"):
             self.metrics.sync()  # rows of this step are durable before its checkpoint starts
-            self.ckpt.save(step, self.learner.checkpoint_tree(), {"step": step, "data_pos": self.consumed_pos, "warm_start": self.warm_report})
+            self.ckpt.save(step, self.learner.checkpoint_tree(), {"step": step, "data_pos": self.stream.consumed, "warm_start": self.warm_report})
 
     # -- main -----------------------------------------------------------------------------------
-    async def agent_step(self, step: int) -> dict[str, Any]:
-        """``rollout.source: agent``: agents through the recording proxy (scored on export) -> learn ->
-        weight sync; logs and returns the step's row."""
-        t0 = time.perf_counter()
-        tasks = self.stream.take(self.cfg.rollout.tasks_per_step)
-        with self.times.phase("rollout") as rollout:
-            res = await self.agents.rollout(tasks, step)
-        row = dict(res.stats)
-        row.update(res.prm_metrics.summary())  # the exports' prm_stats, recorded after they returned
-        with self.times.phase("learn") as learning:
-            row.update(self._learn_or_skip(step, lambda: self.learner.learn_rows(res.rows, step) if res.rows else None))
-        self.consumed_pos = self.stream.pos
-        return await self._finish_step(step, row, t0, rollout, (rollout, learning))
-
-    async def train_step(self, step: int, scorer) -> dict[str, Any]:
-        """Rollout -> scoring -> filter -> learn -> weight sync for one step; logs and returns its row."""
-        t0 = time.perf_counter()
-        c = await self.collect(step, scorer)
-        return await self.learn_step(c, t0, (c.rollout, c.scoring))
-
-    async def async_step(self, step: int, producer: RolloutProducer) -> dict[str, Any]:
-        """``rollout.asynchronous``: the step's groups from the producer (rolled out while earlier
-        steps learned; the wait is the step's rollout phase), the stale ones dropped, then learn (in
-        a worker thread, so that the producer's rollouts go on) and push the weights."""
-        t0 = time.perf_counter()
-        with self.times.phase("rollout") as waiting:
-            c = await producer.get()
-        assert c.step == step, (c.step, step)
-        c.kept, stale = drop_stale(c.kept, served=c.served, learner_version=step - 1,
-                                   max_staleness=producer.max_staleness)
-        c.row.update(stale, kept_groups=len(c.kept), rollout_wait_s=waiting.wall, rollouts_ahead=producer.ahead)
-        row = await self.learn_step(c, t0, (waiting,), in_thread=True)
-        await producer.served(step)
-        return row
-
-    async def learn_step(self, c: _Collected, t0: float, spans: tuple, *, in_thread: bool = False) -> dict[str, Any]:
-        """Learn from a collected step, push the weights, log the row (``spans``: the phases before
-        learning whose compile time the row counts)."""
-        step = c.step
-
-        def learn() -> dict[str, Any]:
-            return self._learn_or_skip(step, lambda: self.learner.learn_groups(c.kept, step) if c.kept else None)
-
-        with self.times.phase("learn") as learning:
-            c.row.update(await asyncio.to_thread(learn) if in_thread else learn())
-        self.consumed_pos = c.data_pos
-        return await self._finish_step(step, c.row, t0, c.rollout, (*spans, learning))
-
-    async def _collect_round(self, step: int, rnd: int, scorer, phase, n_tasks: int):
-        """One round of a step's rollouts: the next ``n_tasks`` tasks rolled out (this
-        process's share), overlong shaping, process rewards and the filter, gathered over the
-        processes. Returns ``(groups, kept, rejected, stats, groups per process, rollout span,
-        scoring span)``."""
-        cfg = self.cfg
-        # every process takes the same tasks and rolls out its share (all of them in one process);
-        # group i of the step keeps its seed whichever process runs it
-        offset, tasks = multihost.process_share(self.stream.take(n_tasks))
-        branch_rejected: list[GroupRejected] = []
-        with phase("rollout") as rollout:
-            groups = await run_groups(tasks, env_factory=self.env_factory, client=self.gen.client,
-                                      prompts=self.gen.prompts,
-                                      config=adapters.tree_config(cfg, max_context=self.gen.max_context),
-                                      scorer=scorer, rejected=branch_rejected,
-                                      group_seed=step * 10_000 + rnd * cfg.rollout.tasks_per_step + offset)
-            groups, stats = dapo.shape_overlong(groups, cfg.rollout.max_new_tokens, dapo.overlong_buffer(cfg),
-                                                cfg.rollout.dapo.overlong_factor)
-        with phase("score") as scoring:
-            scored = await score_groups(self.prm, groups) if self.prm is not None else None
-            split = [len(groups)]
-            if self.multi:  # every process gets every process's groups (and scoring), in task order
-                parts = multihost.allgather_objects((groups, branch_rejected, scored, stats))
-                groups = [g for p in parts for g in p[0]]
-                branch_rejected = [r for p in parts for r in p[1]]
-                scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
-                split = [len(p[0]) for p in parts]
-                stats = _summed_stats([p[3] for p in parts])
-            kept, fstats = await self.score(groups, scored)
-        return groups, kept, branch_rejected, {**stats, **fstats}, split, rollout, scoring
-
-    async def collect(self, step: int, scorer, *, timed: bool = True) -> _Collected:
-        """Rollout -> scoring -> filter for step ``step`` (``timed``: as phases of the run; the
-        asynchronous producer's overlap them and are measured only). With dynamic sampling (DAPO)
-        groups of equal outcome rewards are dropped and more tasks rolled out, up to
-        ``rollout.dapo.max_rounds`` rounds of ``tasks_per_step``; the row counts every round."""
-        cfg = self.cfg
-        phase = self.times.phase if timed else (lambda name: measured())
-        served = self.gen.version  # the weights the server has as the rollouts start
-        dynamic = dapo.dynamic_sampling(cfg)
-        want = cfg.rollout.tasks_per_step
-        groups, kept, branch_rejected, rounds = [], [], [], []
-        tasks_so_far, capped = 0, False
-        while not rounds or (dynamic and len(kept) < want and len(rounds) < cfg.rollout.dapo.max_rounds):
-            n_tasks = dapo.round_tasks(want, tasks_so_far=tasks_so_far, max_tokens=cfg.rollout.dapo.max_tokens_per_step,
-                                       tokens_so_far=sum(g.stats.generated_tokens for g in groups))
-            capped = n_tasks < want
-            if n_tasks == 0:  # the step's token cap is spent
-                break
-            r_groups, r_kept, r_rejected, r_stats, r_split, r_roll, r_score = await self._collect_round(
-                step, len(rounds), scorer, phase, n_tasks)
-            tasks_so_far += n_tasks
-            groups += r_groups
-            branch_rejected += r_rejected
-            if dynamic:
-                mixed = [g for g in r_kept if dapo.is_mixed(g)]
-                r_stats["dynamic_dropped_groups"] = len(r_kept) - len(mixed)
-                r_kept = mixed
-            kept += r_kept
-            rounds.append((r_stats, r_split, r_roll, r_score))
-        fstats = _summed_stats([r[0] for r in rounds])
-        process_groups = [sum(parts) for parts in zip(*(r[1] for r in rounds))]
-        rollout, scoring = _summed_spans([r[2] for r in rounds]), _summed_spans([r[3] for r in rounds])
-        if dynamic:
-            kept = kept[:want]
-            fstats["dynamic_rounds"] = len(rounds)
-            fstats["dynamic_token_capped"] = float(capped)
-        data_pos = self.stream.pos
-        for r in branch_rejected:
-            cause = f" [cause: {' <- '.join(r.causes)}]" if r.causes else ""
-            self.log(f"branch scorer rejected group {r.group_key}: {r}{cause}")
-        desc = describe_groups(groups)
-        self._keep_example_tree(groups)
-        row: dict[str, Any] = {
-            "reward": float(np.mean([lf.outcome_reward for g in groups for lf in g.leaves] or [0.0])),
-            "success": desc["success_rate"], "groups_with_success": desc["groups_with_success"],
-            "mixed_groups": desc["mixed_groups"], "trajectories": desc["trajectories"],
-            "sampled_actions": desc["sampled_actions"], "invalid_rate": desc["invalid_rate"],
-            "expanded": desc["expanded"], "pruned": desc["pruned"], "checkpoints": desc["checkpoints"],
-            "loop_stopped": desc["loop_stopped"], "refills": desc["refills"],
-            "generated_tokens": desc["generated_tokens"], "kept_groups": len(kept), **fstats,
-        }
-        if self.multi:  # how the step's groups were split over the processes
-            row["process_groups"] = process_groups
-        if branch_rejected:
-            row["branch_rejected_groups"] = len(branch_rejected)
-            row.update({f"branch_rejected/{k}": n for k, n in collections.Counter(r.kind for r in branch_rejected).items()})
-            # the innermost error of each rejection (the scorer's own: ScorerHTTPError, ConnectionError, ...)
-            row.update({f"branch_rejected_cause/{k}": n for k, n in
-                        collections.Counter(r.causes[-1] for r in branch_rejected if r.causes).items()})
-        return _Collected(step, row, kept, served, data_pos, rollout, scoring)
-
-    def _learn_or_skip(self, step: int, learn) -> dict[str, Any]:
-        """``learn()``'s metrics, or (nothing to learn from: it returned ``None``) a skipped step."""
-        out = learn()
-        if out is None:
-            self.learner.skip_step()
-            return {"skipped": True}
-        return out
-
-    async def _finish_step(self, step: int, row: dict[str, Any], t0: float, rollout, spans) -> dict[str, Any]:
-        """Check that the sampler was the learner's policy, push the new weights, log the row."""
-        learning = spans[-1]
-        row.update(rollout_s=rollout.wall - rollout.compile, learn_s=learning.wall - learning.compile)
-        try:  # before the new weights are pushed: a sampler that is not the learner's policy stops the run
-            self.gen.check_behavior(step, row)
-        except TrainError:
-            self.metrics.log(step, "train", row)
-            raise
-        with self.times.phase("sync") as sync:
-            await self.gen.sync(step)
-        row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0,
-                   loop_s=self._loop_s())
-        self.metrics.log(step, "train", row)
-        return row
-
     def _loop_s(self) -> float:
         """Seconds since the training loop started (0 before): rows' time axis."""
         t = getattr(self, "t_loop", None)
         return 0.0 if t is None else time.perf_counter() - t
-
-    def _keep_example_tree(self, groups) -> None:
-        """Remember the group with the most checkpoint activity so far, for the PaTR tree plot."""
-        if self.cfg.rollout.strategy in FLAT_STRATEGIES or not groups:
-            return
-        activity = lambda g: (g.stats.expanded + g.stats.pruned, g.stats.successes)  # noqa: E731
-        cand = max(groups, key=activity)
-        if self.example_tree is None or activity(cand)[0] >= activity(self.example_tree)[0]:
-            self.example_tree = cand
 
     async def run(self) -> Summary:
         try:
@@ -500,7 +277,7 @@ class _Job:
         self.prm = None
         if cfg.prm.active:
             try:
-                self.prm = await PRMRunner.create(adapters.prm_config(cfg))
+                self.prm = await PRMRunner.create(cfg.prm)  # the prm section is a scorers.PRMConfig
             except Exception as e:  # the scorers built so far were closed (their failures are notes on e)
                 raise train_error(f"prm: could not build the scorers: {type(e).__name__}: {e}", e) from e
             self.cleanup.push("process-reward scorers", self.prm.aclose)  # closed first: scoring is drained by then
@@ -511,38 +288,30 @@ class _Job:
                               f"{type(e).__name__}: {e}", e) from e
         if scorer is not None:
             self.cleanup.push("branch scorer", scorer.aclose)
-        self.agents = None
+        agents = None
         if cfg.rollout.source == "agent":  # the recording proxy (jaxprm.train.agent_rollouts); scores on export
-            self.agents = AgentRollouts(cfg, self.policy.tokenizer, self.gen.client.config,
-                                        max_context_tokens=self.gen.max_context, log=self.log)
-            self.cleanup.push("recording proxy", self.agents.close)
+            agents = AgentRollouts(cfg, self.policy.tokenizer, self.gen.client.config,
+                                   max_context_tokens=self.gen.max_context, log=self.log)
+            self.cleanup.push("recording proxy", agents.close)
             with self.times.phase("setup"):
-                await self.agents.start()
+                await agents.start()
         first_eval = next((r for r in self.history), None)
         last_eval = self.history[-1] if self.history else None
-        self.example_tree = None
         if self.start_step == 0 and cfg.eval.at_start and not any(r["step"] == 0 for r in self.history):
             res = await self.run_eval(0)
             first_eval = last_eval = {"step": 0, **res}
             self.log("eval @0 (warm-started policy): " + _fmt(res))
-        producer = None
-        if cfg.rollout.asynchronous and self.agents is None:
-            producer = RolloutProducer(lambda k: self.collect(k, scorer, timed=False), first=self.start_step + 1,
-                                       last=cfg.steps, max_staleness=cfg.rollout.max_staleness,
-                                       learner_version=self.start_step)
-            self.cleanup.push("rollout producer", producer.aclose)  # stopped before the server
+        self.collector = StepCollector(cfg, gen=self.gen, env_factory=self.env_factory, stream=self.stream,
+                                       prm=self.prm, scorer=scorer, times=self.times, log=self.log, multi=self.multi)
+        driver = self._driver(agents)
+        self.cleanup.push("step driver", driver.aclose)  # an asynchronous producer stops before the server
         self.t_loop = time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.start_step, disable=not (cfg.progress and self.primary),
                    dynamic_ncols=True, desc="train")
         step = self.start_step
         while step < cfg.steps:
             step += 1
-            if self.agents is not None:
-                row = await self.agent_step(step)
-            elif producer is not None:
-                row = await self.async_step(step, producer)
-            else:
-                row = await self.train_step(step, scorer)
+            row = await driver.step(step)
             if step % cfg.eval.every_steps == 0 or step == cfg.steps:
                 res = await self.run_eval(step)
                 last_eval = {"step": step, **res}
@@ -565,14 +334,26 @@ class _Job:
             last_eval = {k: v for k, v in last_eval.items() if k != "kind"}
         return first_eval, last_eval
 
+    def _driver(self, agents: AgentRollouts | None) -> StepDriver:
+        """The driver of this run's steps: agents through the proxy, asynchronous or synchronous."""
+        cfg = self.cfg
+        shared = dict(learner=self.learner, gen=self.gen, metrics=self.metrics, times=self.times, stream=self.stream,
+                      clock=self._loop_s)
+        if agents is not None:
+            return AgentSteps(agents, cfg.rollout.tasks_per_step, **shared)
+        if cfg.rollout.asynchronous:
+            return AsyncSteps(self.collector, first=self.start_step + 1, last=cfg.steps,
+                              max_staleness=cfg.rollout.max_staleness, learner_version=self.start_step, **shared)
+        return SyncSteps(self.collector, **shared)
+
     def _export_outputs(self) -> None:
         """The finished run's plots and its HuggingFace-format policy (process 0 only)."""
         cfg = self.cfg
         if cfg.plots and self.primary:
             try:
                 plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
-                if self.example_tree is not None:
-                    plots.tree_png(self.example_tree, self.run_dir / "plots" / "patr_tree.png")
+                if self.collector.example_tree is not None:
+                    plots.tree_png(self.collector.example_tree, self.run_dir / "plots" / "patr_tree.png")
             except Exception as e:  # plots never fail a finished run
                 self.log(f"plots failed: {type(e).__name__}: {e}")
         if cfg.export_final and self.primary:

@@ -8,9 +8,10 @@ import dataclasses
 from typing import Any, Literal
 
 from jaxprm.learner.advantages import AdvantageParams
-from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS, SHAPING_MODES
+from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
 from rollout.client import DIALECTS
-from rollout.tree import ARPOParams, TreeParams
+from rollout.groups import ARPOParams, TreeParams
+from scorers import AdvantageShapingConfig, PRMConfig, ScorerSpec
 
 __all__ = [
     "ModelConfig",
@@ -95,7 +96,7 @@ class BranchScorerSpec:
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-ARPOConfig = ARPOParams  # rollout.arpo: the library's own section (rollout.tree.ARPOParams)
+ARPOConfig = ARPOParams  # rollout.arpo: the library's own section (rollout.groups.ARPOParams)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +129,7 @@ class RolloutConfig(TreeParams):
 
     The group's shape (``strategy``, ``group_size``, ``b0``, ``k``, ``m``, ``top_k``, ``alpha``,
     ``theta``, ``theta_at``, ``max_branches``, ``keep``, ``refill``, ``arpo``) is
-    :class:`rollout.tree.TreeParams`, declared, defaulted and validated there once; this section
+    :class:`rollout.groups.TreeParams`, declared, defaulted and validated there once; this section
     adds what the trainer does with the groups.
 
     ``alpha``, the prune margin below the median score (the paper's 0.5): with the default branch
@@ -213,35 +214,18 @@ class AgentConfig:
     session_timeout_s: float = 3600.0
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ScorerSpec:
-    path: str = ""
-    weight: float = 1.0
-    enabled: bool = True
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+# a prm.scorers entry is the scorers' own scorers.ScorerSpec (imported above, re-exported)
+ShapingConfig = AdvantageShapingConfig  # prm.advantage_shaping: the scorers' own (scorers.AdvantageShapingConfig)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ShapingConfig:
-    mode: Literal[SHAPING_MODES] = "additive"
-    negative_scale: float = 0.2
-    zero_penalty: float = 0.4
-    zero_eps: float = 1e-6
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PRMSection:
-    """Process-reward scoring of finished branches (``scorers.PRMRunner``)."""
+class PRMSection(PRMConfig):
+    """Process-reward scoring of finished branches (``scorers.PRMRunner``): :class:`scorers.PRMConfig`,
+    declared, defaulted and validated there, with one default changed: scoring is off unless asked
+    for. ``max_concurrent_sessions`` counts groups scored at once (the branches of a group in order);
+    ``timeout_s`` bounds scoring one group (past it the group is rejected)."""
 
     enabled: bool = False
-    scorers: list[ScorerSpec] = dataclasses.field(default_factory=list)
-    advantage_shaping: ShapingConfig = dataclasses.field(default_factory=ShapingConfig)
-    max_concurrent_sessions: int = 8  # groups scored at once (the branches of a group in order)
-    timeout_s: float = 300.0  # bound on scoring one group; past it the group is rejected
-
-    @property
-    def active(self) -> bool:
-        return self.enabled and any(s.enabled for s in self.scorers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

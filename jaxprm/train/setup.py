@@ -97,10 +97,12 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
 
 
 class TaskStream:
-    """Training tasks in a seeded permutation per pass; ``pos`` counts tasks consumed."""
+    """Training tasks in a seeded permutation per pass. ``pos`` counts the tasks taken; ``consumed``
+    the tasks learned from (what a checkpoint records: asynchronous rollouts take tasks ahead)."""
 
     def __init__(self, tasks: list, seed: int, pos: int = 0) -> None:
         self.tasks, self.seed, self.pos = tasks, seed, pos
+        self.consumed = pos
 
     def take(self, n: int) -> list:
         out = []

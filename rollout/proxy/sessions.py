@@ -9,7 +9,7 @@ in-flight records are skipped). So a session is a tree: a retry or a fork makes 
 
 **Sampling seeds.** A session started with a ``seed`` (a jaxprm extension of ``start_session``)
 samples every request that brings no ``seed`` of its own with
-``rollout.tree.request_seed(seed, f"b{i}", depth[, k])``: ``i`` is the session's index in its group,
+``rollout.groups.request_seed(seed, f"b{i}", depth[, k])``: ``i`` is the session's index in its group,
 ``depth`` the record's number of ancestors and ``k`` (left out when 0) how many earlier records share
 its parent (a retry samples anew). These are the seeds of a flat tree group whose group seed parts
 are ``seed`` (``f"{config seed}:{group seed}"``), so against a deterministic server an agent's
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from rollout.proxy.config import HITL_SESSION, ProxyError
-from rollout.tree import request_seed
+from rollout.groups import request_seed
 from rollout.types import ModelResponse, copy_json
 
 __all__ = ["Record", "Session", "SessionStore", "normalize_message", "HITL_SESSION"]

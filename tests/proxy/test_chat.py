@@ -11,7 +11,7 @@ import numpy as np
 import openai
 import pytest
 
-from rollout.tree import request_seed
+from rollout.groups import request_seed
 
 from .conftest import admin_headers, key_headers, running_proxy
 

@@ -26,7 +26,7 @@ OK = dict(export_style="concat", token_backed=True, token_rewards_as_adv=True)
 def test_yaml_round_trip():
     cfg = PRMConfig.from_dict(yaml.safe_load(SPEC_YAML))
     assert cfg.active
-    assert cfg.scorers == (ScorerSpec("scorers.LengthBudgetScorer", 1.0, True, {"max_output_tokens": 128}),)
+    assert cfg.scorers == (ScorerSpec(path="scorers.LengthBudgetScorer", weight=1.0, enabled=True, kwargs={"max_output_tokens": 128}),)
     assert cfg.advantage_shaping == AdvantageShapingConfig(mode="process_weighted")
     assert PRMConfig.from_dict(cfg.to_dict()) == cfg
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxprm.train import dapo
 from jaxprm.train.config import load_config
-from rollout.tree import GroupResult, GroupStats, LeafRecord
+from rollout.groups import GroupResult, GroupStats, LeafRecord
 
 
 def _reference_penalty(length: int, max_len: int, buffer: int, factor: float) -> float:
