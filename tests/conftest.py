@@ -9,6 +9,13 @@ import pytest
 # Keep XLA on the CPU and quiet; tests must never need an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Compile fast: most of the suite's CPU time is XLA compiling many small programs, and LLVM's
+# backend optimizations halve that cost while the programs run once or twice (a test's numbers are
+# compared to references with tolerances, which hold at either level). Subprocesses inherit it; the
+# ones that set XLA_FLAGS for a device count add to it (``xla_flags``).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 
 # Longest modules first: pytest-xdist hands out whole modules in collection order, so the last ones

@@ -6,6 +6,7 @@ needs from the store, traces none, and samples the same tokens and log-probs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -224,8 +225,8 @@ print("ok")
 def test_a_stored_program_loads_onto_the_devices_it_was_compiled_for(tmp_path):
     """With several devices (8 simulated CPU devices, or one process of a multi-process job), the
     loader must not spread a one-device program over every device of the backend."""
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "PATH": "/usr/bin:/bin"}
+    env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", _ONE_OF_FOUR, str(tmp_path / "store")], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

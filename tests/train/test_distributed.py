@@ -56,8 +56,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_of_four_devices_step_as_one_process_of_eight(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     port = _free_port()
     logs = [(tmp_path / f"out{i}", tmp_path / f"err{i}") for i in range(2)]  # files: gloo logs a lot
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i), str(port)], stdout=o.open("w"),

@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 def _env(devices: int, home: Path) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", HOME=str(home),
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
 
 
 def _slurm_port() -> int:
