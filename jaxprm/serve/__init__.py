@@ -1,7 +1,8 @@
 """Embedded OpenAI / vLLM / SGLang compatible generation server.
 
 Layers, bottom up: ``sampling`` (what a row samples: parameters, distribution, draw, log-probs),
-``sampler`` (weights, versions; a static batched generator), ``programs`` (compiled prefill / decode over the paged KV pool), ``kv_pool`` and
+``sampler`` (weights, versions, request limits), ``static_sampler`` (the static-batching reference
+generator), ``programs`` (compiled prefill / decode over the paged KV pool), ``kv_pool`` and
 ``prefix_cache`` (block bookkeeping, the radix tree), ``scheduler`` (continuous batching), ``engine``
 (the worker thread), ``serving`` + the dialect routers + ``app`` (HTTP), ``handle`` (in-process).
 

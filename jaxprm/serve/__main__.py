@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens of work per request: rows (n x prompts) x (prompt tokens + max_tokens); "
                         "beyond it a 400 (0: no limit)")
     p.add_argument("--decode-loop", choices=("device", "host"), default="device",
-                   help="decode loop of the static sampler (Sampler.generate); the server uses the engine")
+                   help="ignored: the server decodes with its engine (the static sampler's loop option, "
+                        "jaxprm.serve.static_sampler, is not part of the server); kept so command lines still parse")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
 
     model, tokenizer = load_model(args.model)
     sampler = Sampler(model, eos_token_ids=tuple(tokenizer.eos_token_ids), pad_token_id=tokenizer.pad_token_id or 0,
-                      max_batch=args.max_batch, max_context=args.max_context, loop=args.decode_loop, dtype=args.dtype)
+                      max_batch=args.max_batch, max_context=args.max_context, dtype=args.dtype)
     config = ServeConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                          max_request_tokens=args.max_request_tokens or None,

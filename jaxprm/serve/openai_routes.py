@@ -19,6 +19,7 @@ adds a last chunk with ``usage``); stop strings are applied while streaming (see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -187,8 +188,141 @@ def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
     return srv.encode_many([rendered], add_special_tokens=False, param="messages")[0]
 
 
+@dataclasses.dataclass
+class _Rows:
+    """A parsed generation request: one row per (prompt, choice), the rows' sampling options, each
+    row's choice index (mixed into its seed), the prompts' token count, stop strings and, for a
+    text prompt, the texts."""
+
+    rows: list[list[int]]
+    params: list[Any]
+    choices: list[int]
+    prompt_tokens: int
+    stops: list[str]
+    texts: list[str] | None = None
+
+
+async def _parse_completion(srv: Serving, req: CompletionRequest) -> _Rows:
+    """Validate a ``/v1/completions`` request and tokenize its prompt(s)."""
+    srv.check_model(req.model)
+    srv.check_unsupported(req)
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported (it must equal n)", param="best_of")
+    if req.suffix:
+        raise APIError("suffix is not supported", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    if req.logprobs is not None and req.logprobs > MAX_TOP_LOGPROBS:
+        raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
+    p = req.prompt
+    if isinstance(p, str):
+        texts, ids_list = [p], None
+    elif len(p) == 0:
+        raise APIError("prompt is empty", param="prompt")
+    elif all(isinstance(x, int) for x in p):
+        texts, ids_list = None, [list(p)]
+    elif all(isinstance(x, str) for x in p):
+        texts, ids_list = list(p), None
+    else:
+        texts, ids_list = None, [list(x) for x in p]
+    srv.check_n(req.n, len(ids_list) if ids_list is not None else len(texts))
+    if ids_list is None:
+        ids_list = await srv.encode_async(texts, add_special_tokens=True)
+    for ids in ids_list:
+        srv.check_prompt_ids(ids, param="prompt")
+    max_tokens = srv.resolve_max_tokens(req.max_tokens, [len(x) for x in ids_list], param="max_tokens", copies=req.n)
+    stops = srv.check_stop_strings(req.stop)
+    sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
+                         ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
+    rows = [ids for ids in ids_list for _ in range(req.n)]
+    return _Rows(rows=rows, params=[sp] * len(rows), choices=[j for _ in ids_list for j in range(req.n)],
+                 prompt_tokens=sum(len(x) for x in ids_list), stops=stops, texts=texts)
+
+
+def _completion_body(srv: Serving, req: CompletionRequest, job: _Rows, results) -> dict[str, Any]:
+    """The ``text_completion`` answer to ``req`` from its rows' results."""
+    built = build_choices(srv, results, job.stops, srv.logprobs_mode(req))
+    tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
+    choices = []
+    for ch in built:
+        text = ch.text
+        if req.echo:
+            prompt = job.texts[ch.index // req.n] if job.texts is not None else srv.decode(ch.completion.prompt_ids)
+            text = prompt + text
+        choice: dict[str, Any] = {"index": ch.index, "text": text, "logprobs": None,
+                                  "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        if req.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(srv, ch.token_ids, ch.logprobs, ch.top_logprobs,
+                                                      req.logprobs, tok_str)
+        if req.return_token_ids:
+            choice["token_ids"] = ch.token_ids
+            choice["prompt_token_ids"] = ch.completion.prompt_ids
+            choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
+        choices.append(choice)
+    completion_tokens = sum(len(ch.token_ids) for ch in built)
+    cached = sum(c.cached_tokens for c in results[:: req.n])
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        "model": srv.config.model_name, "choices": choices,
+        "usage": _usage(job.prompt_tokens, completion_tokens, cached),
+        "weight_version": min(c.weight_version for c in results),
+    }
+
+
+async def _parse_chat(srv: Serving, req: ChatCompletionRequest) -> _Rows:
+    """Validate a ``/v1/chat/completions`` request and render its messages with the chat template."""
+    srv.check_model(req.model)
+    srv.check_unsupported(req)
+    if not req.messages:
+        raise APIError("messages must be a non-empty list", param="messages")
+    top_n = req.top_logprobs or 0
+    if top_n > MAX_TOP_LOGPROBS:
+        raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}", param="top_logprobs")
+    if top_n and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
+    srv.check_n(req.n, 1)
+    prompt_ids = await asyncio.to_thread(_render_chat, srv, req)
+    srv.check_prompt_ids(prompt_ids, param="messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = srv.resolve_max_tokens(requested, [len(prompt_ids)], param=param, copies=req.n)
+    stops = srv.check_stop_strings(req.stop)
+    sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
+                         ignore_eos=req.ignore_eos, top_logprobs=top_n)
+    return _Rows(rows=[prompt_ids] * req.n, params=[sp] * req.n, choices=list(range(req.n)),
+                 prompt_tokens=len(prompt_ids), stops=stops)
+
+
+def _chat_body(srv: Serving, req: ChatCompletionRequest, job: _Rows, results) -> dict[str, Any]:
+    """The ``chat.completion`` answer to ``req`` from its rows' results."""
+    built = build_choices(srv, results, job.stops, srv.logprobs_mode(req))
+    tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
+    choices = []
+    for ch in built:
+        choice: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
+                                  "logprobs": None, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        if req.logprobs:
+            choice["logprobs"] = _chat_logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs, req.top_logprobs or 0,
+                                                tok_str)
+        if req.return_token_ids:
+            choice["token_ids"] = ch.token_ids
+            choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
+        choices.append(choice)
+    usage = _usage(job.prompt_tokens, sum(len(ch.token_ids) for ch in built), results[0].cached_tokens)
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": srv.config.model_name, "choices": choices, "usage": usage,
+        "weight_version": min(c.weight_version for c in results),
+    }
+    if req.return_token_ids:
+        body["prompt_token_ids"] = job.rows[0]
+    return body
+
+
 def openai_router(srv: Serving) -> APIRouter:
-    """The OpenAI-dialect routes over ``srv``."""
+    """The OpenAI-dialect routes over ``srv``: each parses, serves (whole or streamed) and answers."""
     router = APIRouter()
     config = srv.config
 
@@ -206,120 +340,24 @@ def openai_router(srv: Serving) -> APIRouter:
                  responses={200: {"content": EVENT_STREAM, "description": "a completion (stream: events)"},
                             **generation_errors})
     async def completions(req: CompletionRequest, raw: Request):
-        srv.check_model(req.model)
-        srv.check_unsupported(req)
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of is not supported (it must equal n)", param="best_of")
-        if req.suffix:
-            raise APIError("suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs (prompt logprobs) is not supported", param="echo")
-        if req.logprobs is not None and req.logprobs > MAX_TOP_LOGPROBS:
-            raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
-        p = req.prompt
-        if isinstance(p, str):
-            texts, ids_list = [p], None
-        elif len(p) == 0:
-            raise APIError("prompt is empty", param="prompt")
-        elif all(isinstance(x, int) for x in p):
-            texts, ids_list = None, [list(p)]
-        elif all(isinstance(x, str) for x in p):
-            texts, ids_list = list(p), None
-        else:
-            texts, ids_list = None, [list(x) for x in p]
-        srv.check_n(req.n, len(ids_list) if ids_list is not None else len(texts))
-        if ids_list is None:
-            ids_list = await srv.encode_async(texts, add_special_tokens=True)
-        for ids in ids_list:
-            srv.check_prompt_ids(ids, param="prompt")
-        max_tokens = srv.resolve_max_tokens(req.max_tokens, [len(x) for x in ids_list], param="max_tokens",
-                                            copies=req.n)
-        stops = srv.check_stop_strings(req.stop)
-        sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                             seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
-                             ignore_eos=req.ignore_eos, top_logprobs=req.logprobs or 0)
-        rows = [ids for ids in ids_list for _ in range(req.n)]
-        choices_idx = [j for _ in ids_list for j in range(req.n)]
-        prompt_tokens = sum(len(x) for x in ids_list)
+        job = await _parse_completion(srv, req)
         if req.stream:
-            deltas = srv.stream(rows, [sp] * len(rows), choices_idx)
-            return _stream_response(_completion_events(srv, req, deltas, rows, texts, stops, prompt_tokens))
-        results = await srv.run(rows, [sp] * len(rows), choices_idx, request=raw)
-        built = build_choices(srv, results, stops, srv.logprobs_mode(req))
-        tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
-        choices = []
-        for ch in built:
-            text = ch.text
-            if req.echo:
-                prompt_text = texts[ch.index // req.n] if texts is not None else srv.decode(ch.completion.prompt_ids)
-                text = prompt_text + text
-            choice: dict[str, Any] = {"index": ch.index, "text": text, "logprobs": None,
-                                      "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-            if req.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(srv, ch.token_ids, ch.logprobs, ch.top_logprobs,
-                                                          req.logprobs, tok_str)
-            if req.return_token_ids:
-                choice["token_ids"] = ch.token_ids
-                choice["prompt_token_ids"] = ch.completion.prompt_ids
-                choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
-            choices.append(choice)
-        completion_tokens = sum(len(ch.token_ids) for ch in built)
-        cached = sum(c.cached_tokens for c in results[:: req.n])
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": config.model_name, "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens, cached),
-            "weight_version": min(c.weight_version for c in results),
-        }
+            deltas = srv.stream(job.rows, job.params, job.choices)
+            return _stream_response(_completion_events(srv, req, deltas, job.rows, job.texts, job.stops,
+                                                       job.prompt_tokens))
+        results = await srv.run(job.rows, job.params, job.choices, request=raw)
+        return _completion_body(srv, req, job, results)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, response_model_exclude_unset=True,
                  responses={200: {"content": EVENT_STREAM, "description": "a chat completion (stream: events)"},
                             **generation_errors})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        srv.check_model(req.model)
-        srv.check_unsupported(req)
-        if not req.messages:
-            raise APIError("messages must be a non-empty list", param="messages")
-        top_n = req.top_logprobs or 0
-        if top_n > MAX_TOP_LOGPROBS:
-            raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_n}", param="top_logprobs")
-        if top_n and not req.logprobs:
-            raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
-        srv.check_n(req.n, 1)
-        prompt_ids = await asyncio.to_thread(_render_chat, srv, req)
-        srv.check_prompt_ids(prompt_ids, param="messages")
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = srv.resolve_max_tokens(requested, [len(prompt_ids)], param=param, copies=req.n)
-        stops = srv.check_stop_strings(req.stop)
-        sp = sampling_params(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                             seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
-                             ignore_eos=req.ignore_eos, top_logprobs=top_n)
+        job = await _parse_chat(srv, req)
         if req.stream:
-            deltas = srv.stream([prompt_ids] * req.n, [sp] * req.n, list(range(req.n)))
-            return _stream_response(_chat_events(srv, req, deltas, req.n, prompt_ids, stops, top_n))
-        results = await srv.run([prompt_ids] * req.n, [sp] * req.n, list(range(req.n)), request=raw)
-        built = build_choices(srv, results, stops, srv.logprobs_mode(req))
-        tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
-        choices = []
-        for ch in built:
-            choice: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                                      "logprobs": None, "finish_reason": ch.finish_reason,
-                                      "stop_reason": ch.stop_reason}
-            if req.logprobs:
-                choice["logprobs"] = _chat_logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs, top_n, tok_str)
-            if req.return_token_ids:
-                choice["token_ids"] = ch.token_ids
-                choice["output_token_versions"] = ch.completion.output_token_versions[: len(ch.token_ids)]
-            choices.append(choice)
-        usage = _usage(len(prompt_ids), sum(len(ch.token_ids) for ch in built), results[0].cached_tokens)
-        body: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": config.model_name, "choices": choices, "usage": usage,
-            "weight_version": min(c.weight_version for c in results),
-        }
-        if req.return_token_ids:
-            body["prompt_token_ids"] = prompt_ids
-        return body
+            deltas = srv.stream(job.rows, job.params, job.choices)
+            return _stream_response(_chat_events(srv, req, deltas, req.n, job.rows[0], job.stops,
+                                                 req.top_logprobs or 0))
+        results = await srv.run(job.rows, job.params, job.choices, request=raw)
+        return _chat_body(srv, req, job, results)
 
     return router

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -89,6 +90,78 @@ async def _generate_events(srv: Serving, req: GenerateRequest, deltas, rows, sto
     yield SSE_DONE
 
 
+@dataclasses.dataclass
+class _Rows:
+    """A parsed ``/generate`` request: one row per (prompt, choice), the rows' sampling options, each
+    row's choice index, the stop strings, the top logprobs asked for, whether the input was a batch,
+    and the request ids given (a list per prompt, one id, or none)."""
+
+    rows: list[list[int]]
+    params: list[Any]
+    choices: list[int]
+    stops: list[str]
+    top_n: int
+    batched: bool
+    n: int
+    rid: Any
+
+    def rid_of(self, i: int) -> str:
+        """The request id of row ``i``: its prompt's, the request's, or a fresh one."""
+        row = i // self.n
+        if isinstance(self.rid, list):
+            return self.rid[row] if row < len(self.rid) else uuid.uuid4().hex
+        return self.rid if isinstance(self.rid, str) else uuid.uuid4().hex
+
+
+async def _parse_generate(srv: Serving, req: GenerateRequest) -> _Rows:
+    """Validate a ``/generate`` request and tokenize its text(s)."""
+    spp = req.sampling_params
+    srv.check_unsupported(spp)
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("exactly one of 'text' or 'input_ids' must be given", param="text")
+    if req.top_logprobs_num > MAX_TOP_LOGPROBS:
+        raise APIError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+    if req.text is not None:
+        batched = isinstance(req.text, list)
+        texts = req.text if batched else [req.text]
+        ids_list = None
+    else:
+        batched = len(req.input_ids) > 0 and isinstance(req.input_ids[0], list)
+        texts, ids_list = None, [list(x) for x in req.input_ids] if batched else [list(req.input_ids)]
+    num_prompts = len(texts) if texts is not None else len(ids_list)
+    if batched and not num_prompts:
+        raise APIError("empty batch", param="input_ids" if req.input_ids is not None else "text")
+    srv.check_n(spp.n, num_prompts)
+    if ids_list is None:
+        ids_list = await srv.encode_async(texts, add_special_tokens=True, param="text")
+    for ids in ids_list:
+        srv.check_prompt_ids(ids, param="input_ids" if req.input_ids is not None else "text")
+    max_new = srv.resolve_max_tokens(spp.max_new_tokens, [len(x) for x in ids_list],
+                                     param="sampling_params.max_new_tokens", copies=spp.n)
+    stops = srv.check_stop_strings(spp.stop)
+    seed = spp.sampling_seed if spp.sampling_seed is not None else spp.seed
+    top_n = req.top_logprobs_num if req.return_logprob else 0
+    sp = sampling_params(max_tokens=max_new, temperature=spp.temperature, top_p=spp.top_p, top_k=spp.top_k,
+                         seed=seed, stop_token_ids=srv.check_stop_token_ids(spp.stop_token_ids,
+                                                                            param="sampling_params.stop_token_ids"),
+                         ignore_eos=spp.ignore_eos, top_logprobs=top_n)
+    rows = [ids for ids in ids_list for _ in range(spp.n)]
+    return _Rows(rows=rows, params=[sp] * len(rows), choices=[j for _ in ids_list for j in range(spp.n)], stops=stops,
+                 top_n=top_n, batched=batched, n=spp.n, rid=req.rid)
+
+
+def _generate_body(srv: Serving, req: GenerateRequest, job: _Rows, results, *, latency: float):
+    """The ``/generate`` answer from the rows' results: one output, or a list (a batch or ``n > 1``)."""
+    outs = []
+    for ch in build_choices(srv, results, job.stops, srv.logprobs_mode(req), eos_ids=()):
+        c, ids = ch.completion, ch.token_ids
+        meta = _meta(srv, req, job.rid_of(ch.index), ch.finish_reason, ch.stop_reason, len(c.prompt_ids), ids,
+                     ch.logprobs, ch.top_logprobs, c.output_token_versions[: len(ids)], c.cached_tokens, job.top_n,
+                     latency)
+        outs.append({"text": ch.text, "output_ids": ids, "meta_info": meta})
+    return outs if (job.batched or job.n > 1) else outs[0]
+
+
 def _engine_call(fn, *args):
     try:
         return fn(*args)
@@ -97,7 +170,7 @@ def _engine_call(fn, *args):
 
 
 def sglang_router(srv: Serving) -> APIRouter:
-    """The SGLang-dialect routes over ``srv``."""
+    """The SGLang-dialect routes over ``srv``: a generation parses, serves (whole or streamed) and answers."""
     router = APIRouter()
     config = srv.config
 
@@ -114,59 +187,14 @@ def sglang_router(srv: Serving) -> APIRouter:
                  responses={200: {"content": EVENT_STREAM, "description": "one output, or a list (a batch or n > 1; "
                                   "stream: events)"}, **errors(400, 413, 500, 503, 504)})
     async def generate(req: GenerateRequest, raw: Request):
-        spp = req.sampling_params
-        srv.check_unsupported(spp)
-        if (req.text is None) == (req.input_ids is None):
-            raise APIError("exactly one of 'text' or 'input_ids' must be given", param="text")
-        if req.top_logprobs_num > MAX_TOP_LOGPROBS:
-            raise APIError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
-        if req.text is not None:
-            batched = isinstance(req.text, list)
-            texts = req.text if batched else [req.text]
-            ids_list = None
-        else:
-            batched = len(req.input_ids) > 0 and isinstance(req.input_ids[0], list)
-            texts, ids_list = None, [list(x) for x in req.input_ids] if batched else [list(req.input_ids)]
-        num_prompts = len(texts) if texts is not None else len(ids_list)
-        if batched and not num_prompts:
-            raise APIError("empty batch", param="input_ids" if req.input_ids is not None else "text")
-        srv.check_n(spp.n, num_prompts)
-        if ids_list is None:
-            ids_list = await srv.encode_async(texts, add_special_tokens=True, param="text")
-        for ids in ids_list:
-            srv.check_prompt_ids(ids, param="input_ids" if req.input_ids is not None else "text")
-        max_new = srv.resolve_max_tokens(spp.max_new_tokens, [len(x) for x in ids_list],
-                                         param="sampling_params.max_new_tokens", copies=spp.n)
-        stops = srv.check_stop_strings(spp.stop)
-        seed = spp.sampling_seed if spp.sampling_seed is not None else spp.seed
-        top_n = req.top_logprobs_num if req.return_logprob else 0
-        sp = sampling_params(max_tokens=max_new, temperature=spp.temperature, top_p=spp.top_p, top_k=spp.top_k,
-                             seed=seed, stop_token_ids=srv.check_stop_token_ids(spp.stop_token_ids,
-                                                                                param="sampling_params.stop_token_ids"),
-                             ignore_eos=spp.ignore_eos, top_logprobs=top_n)
-        rows = [ids for ids in ids_list for _ in range(spp.n)]
-        choices_idx = [j for _ in ids_list for j in range(spp.n)]
-        rids = req.rid if isinstance(req.rid, list) else None
-
-        def rid_of(i: int) -> str:
-            row = i // spp.n
-            return rids[row] if rids and row < len(rids) else (req.rid if isinstance(req.rid, str) else uuid.uuid4().hex)
-
+        job = await _parse_generate(srv, req)
         t0 = time.perf_counter()
         if req.stream:
-            deltas = srv.stream(rows, [sp] * len(rows), choices_idx)
-            return StreamingResponse(_generate_events(srv, req, deltas, rows, stops, top_n, rid_of, t0),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        results = await srv.run(rows, [sp] * len(rows), choices_idx, request=raw)
-        latency = time.perf_counter() - t0
-        outs = []
-        for ch in build_choices(srv, results, stops, srv.logprobs_mode(req), eos_ids=()):
-            c, ids = ch.completion, ch.token_ids
-            meta = _meta(srv, req, rid_of(ch.index), ch.finish_reason, ch.stop_reason, len(c.prompt_ids), ids,
-                         ch.logprobs, ch.top_logprobs, c.output_token_versions[: len(ids)], c.cached_tokens,
-                         top_n, latency)
-            outs.append({"text": ch.text, "output_ids": ids, "meta_info": meta})
-        return outs if (batched or spp.n > 1) else outs[0]
+            deltas = srv.stream(job.rows, job.params, job.choices)
+            events = _generate_events(srv, req, deltas, job.rows, job.stops, job.top_n, job.rid_of, t0)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        results = await srv.run(job.rows, job.params, job.choices, request=raw)
+        return _generate_body(srv, req, job, results, latency=time.perf_counter() - t0)
 
     control_errors = errors(400, 413, 500, 503)
 

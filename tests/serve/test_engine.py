@@ -21,6 +21,7 @@ from jaxprm.serve import Engine, ServerHandle
 from jaxprm.serve.engine import _window_buckets
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import SamplingParams
+from jaxprm.serve.static_sampler import StaticSampler
 
 TEXTS = [
     "You are walking on a frozen lake. The goal is to reach the gift without falling into a hole.",
@@ -70,7 +71,7 @@ MIXED = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
 def test_matches_the_static_sampler_under_any_arrival_order(engine, prompts):
     """Rows decided by prompt, seed and weights only: all at once, in reverse, or each joining the
     running batch after the previous one has started decoding."""
-    want = engine.sampler.generate(prompts, MIXED)
+    want = StaticSampler(engine.sampler).generate(prompts, MIXED)
     assert_same(run(engine, prompts, MIXED), want)
     futures, gates, calls_before = [], [], engine.stats.batches
     for p, sp in reversed(list(zip(prompts, MIXED))):

@@ -1,4 +1,5 @@
-"""jaxprm.serve.sampler: KV-cache decoding against a no-cache reference, sampling semantics, buckets."""
+"""jaxprm.serve.sampler (the weight holder) and jaxprm.serve.static_sampler: KV-cache decoding
+against a no-cache reference, sampling semantics, buckets."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from jaxprm.serve.sampler import Sampler
+from jaxprm.serve.static_sampler import StaticSampler
 from jaxprm.serve.sampling import SamplingParams, apply_top_k_top_p, draw_tokens, sample_next
 
 # Small bucket sets keep the number of compiled programs (and the test time) low.
@@ -21,6 +23,11 @@ BUCKETS = dict(batch_buckets=(1, 4, 8), prompt_buckets=(16, 32, 64), new_token_b
 def sampler(tiny):
     model, tok = tiny
     return Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, **BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def static(sampler):
+    return StaticSampler(sampler)
 
 
 def _prompts(tok):
@@ -59,10 +66,10 @@ def _reference_greedy(model, prompt, n):
     return seq[len(prompt):], lps
 
 
-def test_greedy_matches_no_cache_reference(tiny, sampler):
+def test_greedy_matches_no_cache_reference(tiny, sampler, static):
     model, tok = tiny
     prompts = _prompts(tok)
-    out = sampler.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    out = static.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     for p, c in zip(prompts, out):
         ref_toks, ref_lps = _reference_greedy(model, p, 8)
         assert c.token_ids == ref_toks
@@ -71,54 +78,54 @@ def test_greedy_matches_no_cache_reference(tiny, sampler):
         assert c.finish_reason == "length" and c.prompt_ids == p and c.weight_version == sampler.weight_version
 
 
-def test_batch_composition_does_not_change_a_row(tiny, sampler):
+def test_batch_composition_does_not_change_a_row(tiny, sampler, static):
     _, tok = tiny
     prompts = _prompts(tok)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = sampler.generate([prompts[0]], sp)[0]
+    alone = static.generate([prompts[0]], sp)[0]
     # different batch size, prompt bucket (64 vs 16), output bucket (32 vs 16) and neighbours
     long_prompt = (prompts[2] * 8)[:40]
-    crowd = sampler.generate([prompts[2], prompts[0], long_prompt], [SamplingParams(max_new_tokens=30, seed=7), sp, sp])
+    crowd = static.generate([prompts[2], prompts[0], long_prompt], [SamplingParams(max_new_tokens=30, seed=7), sp, sp])
     assert crowd[1].token_ids == alone.token_ids
     np.testing.assert_allclose(crowd[1].logprobs, alone.logprobs, atol=1e-5)
-    again = sampler.generate([prompts[0]], sp)[0]
+    again = static.generate([prompts[0]], sp)[0]
     assert again.token_ids == alone.token_ids
 
 
-def test_shared_prompts_are_prefilled_once_with_identical_results(tiny, sampler):
+def test_shared_prompts_are_prefilled_once_with_identical_results(tiny, sampler, static):
     _, tok = tiny
     p, q = _prompts(tok)[:2]
     sps = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
-    prep = sampler._prepare([p, p, p, p], sps, [0] * 4, [0] * 4)
+    prep = static._prepare([p, p, p, p], sps, [0] * 4, [0] * 4)
     assert prep.prompt.shape[0] == 1 and list(prep.src) == [0, 0, 0, 0]  # one prefill row for 4
-    shared = sampler.generate([p, p, p, p], sps)
+    shared = static.generate([p, p, p, p], sps)
     for sp, c in zip(sps, shared):
-        alone = sampler.generate([p], sp)[0]
+        alone = static.generate([p], sp)[0]
         assert c.token_ids == alone.token_ids
         np.testing.assert_allclose(c.logprobs, alone.logprobs, atol=1e-5)
-    mixed = sampler.generate([p, q, p, p, q, p, p, q], [SamplingParams(max_new_tokens=10, temperature=0.0)] * 8)
-    assert sampler._prepare([p, q] * 4, [sps[0]] * 8, [0] * 8, [0] * 8).prompt.shape[0] == 4  # bucket of 2
+    mixed = static.generate([p, q, p, p, q, p, p, q], [SamplingParams(max_new_tokens=10, temperature=0.0)] * 8)
+    assert static._prepare([p, q] * 4, [sps[0]] * 8, [0] * 8, [0] * 8).prompt.shape[0] == 4  # bucket of 2
     assert mixed[0].token_ids == mixed[2].token_ids and mixed[1].token_ids == mixed[4].token_ids
-    assert mixed[0].token_ids == sampler.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0].token_ids
+    assert mixed[0].token_ids == static.generate([p], SamplingParams(max_new_tokens=10, temperature=0.0))[0].token_ids
 
 
-def test_seeds_and_choice_index_give_different_streams(tiny, sampler):
+def test_seeds_and_choice_index_give_different_streams(tiny, sampler, static):
     _, tok = tiny
     p = _prompts(tok)[0]
     sp = [SamplingParams(max_new_tokens=16, temperature=1.5, seed=s, ignore_eos=True) for s in (1, 2)]
-    a, b = sampler.generate([p, p], sp)
+    a, b = static.generate([p, p], sp)
     assert a.token_ids != b.token_ids
-    c0, c1 = sampler.generate([p, p], [sp[0], sp[0]], choice_index=[0, 1])
+    c0, c1 = static.generate([p, p], [sp[0], sp[0]], choice_index=[0, 1])
     assert c0.token_ids == a.token_ids and c1.token_ids != c0.token_ids
-    u1, u2 = sampler.generate([p, p], SamplingParams(max_new_tokens=16, temperature=1.5, ignore_eos=True))
+    u1, u2 = static.generate([p, p], SamplingParams(max_new_tokens=16, temperature=1.5, ignore_eos=True))
     assert u1.token_ids != u2.token_ids  # no seed: fresh randomness per row
 
 
-def test_logprobs_under_temperature_and_truncation(tiny, sampler):
+def test_logprobs_under_temperature_and_truncation(tiny, sampler, static):
     model, tok = tiny
     p = _prompts(tok)[1]
     T, k = 0.7, 5
-    c = sampler.generate([p], SamplingParams(max_new_tokens=6, temperature=T, top_k=k, seed=3, ignore_eos=True, top_logprobs=3))[0]
+    c = static.generate([p], SamplingParams(max_new_tokens=6, temperature=T, top_k=k, seed=3, ignore_eos=True, top_logprobs=3))[0]
     seq = list(p)
     for j, t in enumerate(c.token_ids):
         z = _reference_logits(model, seq)[-1]
@@ -137,18 +144,18 @@ def test_logprobs_under_temperature_and_truncation(tiny, sampler):
         seq.append(t)
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy(tiny, sampler):
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny, sampler, static):
     _, tok = tiny
     p = _prompts(tok)[0]
-    greedy = sampler.generate([p], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    k1, p0 = sampler.generate([p, p], [SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=5, ignore_eos=True),
+    greedy = static.generate([p], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    k1, p0 = static.generate([p, p], [SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=5, ignore_eos=True),
                                        SamplingParams(max_new_tokens=8, temperature=2.0, top_p=1e-6, seed=5, ignore_eos=True)])
     assert k1.token_ids == greedy.token_ids == p0.token_ids
     np.testing.assert_allclose(k1.sampling_logprobs, 0.0, atol=1e-6)  # a point mass after truncation
     np.testing.assert_allclose(k1.logprobs, greedy.logprobs, atol=1e-5)
 
 
-def test_first_token_distribution_matches_softmax(tiny, sampler):
+def test_first_token_distribution_matches_softmax(tiny, sampler, static):
     """512 seeded samples of the first token follow softmax(logits / T) (total variation < 0.12)."""
     model, tok = tiny
     p = _prompts(tok)[3]
@@ -158,20 +165,20 @@ def test_first_token_distribution_matches_softmax(tiny, sampler):
     params = [SamplingParams(max_new_tokens=1, temperature=T, seed=s, ignore_eos=True) for s in range(512)]
     counts = np.zeros_like(probs)
     for start in range(0, 512, 8):
-        for c in sampler.generate([p] * 8, params[start:start + 8]):
+        for c in static.generate([p] * 8, params[start:start + 8]):
             counts[c.token_ids[0]] += 1
     tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
     expected_noise = 0.5 * np.sum(np.sqrt(probs * (1 - probs) / 512)) * np.sqrt(2 / np.pi)
     assert tv < max(0.12, 2 * expected_noise), tv
 
 
-def test_stop_tokens_max_tokens_and_zero_tokens(tiny, sampler):
+def test_stop_tokens_max_tokens_and_zero_tokens(tiny, sampler, static):
     model, tok = tiny
     prompts = _prompts(tok)
-    greedy = sampler.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    greedy = static.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     stop = greedy[0].token_ids[2]
     first = greedy[0].token_ids.index(stop)
-    out = sampler.generate(prompts[:3], [
+    out = static.generate(prompts[:3], [
         SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
         SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
         SamplingParams(max_new_tokens=0),
@@ -182,88 +189,88 @@ def test_stop_tokens_max_tokens_and_zero_tokens(tiny, sampler):
     assert out[2].token_ids == [] and out[2].finish_reason == "length"
 
 
-def test_eos_stops_unless_ignored(tiny, sampler):
+def test_eos_stops_unless_ignored(tiny, sampler, static):
     model, tok = tiny
     p = tok.encode("Up")
-    first = sampler.generate([p], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids[0]
-    s = Sampler(model, eos_token_ids=(first,), **BUCKETS)  # pretend the greedy token is EOS
+    first = static.generate([p], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids[0]
+    s = StaticSampler(Sampler(model, eos_token_ids=(first,), **BUCKETS))  # pretend the greedy token is EOS
     c = s.generate([p], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
     assert c.token_ids == [first] and c.finish_reason == "stop"
     c = s.generate([p], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert len(c.token_ids) == 4 and c.finish_reason == "length"
 
 
-def test_steady_state_never_recompiles(tiny, sampler):
+def test_steady_state_never_recompiles(tiny, sampler, static):
     _, tok = tiny
     prompts = _prompts(tok)
     rng = np.random.default_rng(0)
-    times = sampler.precompile([3], prompt_len=15, max_new_tokens=10)  # ahead of time: B=4, Tp=16, N=16
+    times = static.precompile([3], prompt_len=15, max_new_tokens=10)  # ahead of time: B=4, Tp=16, N=16
     assert list(times) == [4]
-    before = sampler.num_compilations
+    before = static.num_compilations
     for i in range(6):
         k = int(rng.integers(2, 5))
         rows = [prompts[int(j)][: int(rng.integers(1, 16))] for j in rng.integers(0, 4, size=k)]
         sps = [SamplingParams(max_new_tokens=int(rng.integers(9, 17)), temperature=float(rng.uniform(0, 2)),
                               seed=int(rng.integers(1 << 40)), stop_token_ids=(int(rng.integers(512)),)) for _ in rows]
-        sampler.generate(rows, sps)
-    assert sampler.num_compilations == before
+        static.generate(rows, sps)
+    assert static.num_compilations == before
 
 
-def test_update_params_swaps_without_recompiling(tiny, sampler):
+def test_update_params_swaps_without_recompiling(tiny, sampler, static):
     model, tok = tiny
     s = sampler
     p = [tok.encode("You are walking on a frozen lake.")]
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    before = s.generate(p, sp)[0]
-    v0, compiles = s.weight_version, s.num_compilations
+    before = static.generate(p, sp)[0]
+    v0, compiles = s.weight_version, static.num_compilations
     rng = np.random.default_rng(1)
     perturbed = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), s.params)
     assert s.update_params(perturbed) == v0 + 1 and s.weight_version == v0 + 1
-    after = s.generate(p, sp)[0]
+    after = static.generate(p, sp)[0]
     assert after.weight_version == v0 + 1 and after.logprobs != before.logprobs
-    assert s.num_compilations == compiles
+    assert static.num_compilations == compiles
     # a pure dict and a whole module work too; the version can be set explicitly
     assert s.update_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), version=v0 + 10) == v0 + 10
-    assert s.generate(p, sp)[0].token_ids == before.token_ids
+    assert static.generate(p, sp)[0].token_ids == before.token_ids
     assert s.update_params(model) == v0 + 11
     bad = nnx.to_pure_dict(s.params)
     bad["embed"] = jnp.zeros((3, 3))
     with pytest.raises(ValueError, match="shape"):
         s.update_params(bad)
-    assert s.weight_version == v0 + 11 and s.num_compilations == compiles
+    assert s.weight_version == v0 + 11 and static.num_compilations == compiles
 
 
-def test_host_loop_matches_device_loop(tiny, sampler):
+def test_host_loop_matches_device_loop(tiny, sampler, static):
     model, tok = tiny
-    host = Sampler(model, eos_token_ids=tok.eos_token_ids, pad_token_id=tok.pad_token_id, loop="host", **BUCKETS)
+    host = StaticSampler(sampler, loop="host")
     prompts = _prompts(tok)
     sp = [SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=i) for i in range(4)]
-    a = sampler.generate(prompts, sp)
+    a = static.generate(prompts, sp)
     b = host.generate(prompts, sp)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
         np.testing.assert_allclose(x.sampling_logprobs, y.sampling_logprobs, atol=1e-5)
 
 
-def test_bad_requests_raise_clear_errors(tiny, sampler):
+def test_bad_requests_raise_clear_errors(tiny, sampler, static):
     with pytest.raises(ValueError, match="empty"):
-        sampler.generate([[]])
+        static.generate([[]])
     with pytest.raises(ValueError, match="outside"):
-        sampler.generate([[1, 512]])
+        static.generate([[1, 512]])
     with pytest.raises(ValueError, match="context length"):
-        sampler.generate([[1] * 10], SamplingParams(max_new_tokens=sampler.max_context))
+        static.generate([[1] * 10], SamplingParams(max_new_tokens=sampler.max_context))
     with pytest.raises(ValueError, match="largest bucket"):
-        sampler.generate([[1] * 65])
+        static.generate([[1] * 65])
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
 
 
-def test_more_rows_than_max_batch_are_split(tiny, sampler):
+def test_more_rows_than_max_batch_are_split(tiny, sampler, static):
     _, tok = tiny
     p = tok.encode("Up")
-    out = sampler.generate([p] * 11, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    out = static.generate([p] * 11, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out) == 11 and all(c.token_ids == out[0].token_ids for c in out)
 
 

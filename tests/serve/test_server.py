@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxprm.serve.sampling import SamplingParams
+from jaxprm.serve.static_sampler import StaticSampler
 
 PROMPT = "You are walking on a frozen lake."
 
@@ -27,7 +28,7 @@ def test_completion_greedy_matches_the_sampler(client, http, server, tiny):
     ch = r.choices[0]
     assert ch.finish_reason in ("stop", "length") and isinstance(ch.text, str)
     ids = tok.encode(PROMPT, add_special_tokens=True)
-    direct = server.sampler.generate([ids], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+    direct = StaticSampler(server.sampler).generate([ids], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert ch.text == tok.decode(direct.token_ids)
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(direct.token_ids)
     assert r.usage.total_tokens == len(ids) + len(direct.token_ids)
