@@ -25,8 +25,8 @@ from jaxprm.learner.batch import DEFAULT_LEN_BUCKETS, DEFAULT_ROW_BUCKETS, Batch
 from jaxprm.learner.packing import PackedBatch, pack_rows
 from rollout.groups import GroupResult, LeafRecord, ProcessRewards  # noqa: F401  (re-exported)
 from rollout.types import InteractionTree
-from scorers import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
-                     filter_mixed_or_penalized_all_wrong_mask_no_eos)
+from rollout.filters import (FILTER_COUNTERS, filter_mixed_or_penalized_all_wrong,
+                             filter_mixed_or_penalized_all_wrong_mask_no_eos)
 
 __all__ = ["ExportedRow", "leaf_row", "group_rows", "export_groups", "export_groups_packed", "filter_groups",
            "ProcessRewards", "FILTERS"]

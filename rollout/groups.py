@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from jaxprm.fields import require
-from rollout.client import MAX_TOP_LOGPROBS, SamplingParams
+from rollout.dialects import MAX_TOP_LOGPROBS, SamplingParams
 from rollout.types import InteractionTree
 
 __all__ = [

@@ -9,7 +9,6 @@
 - ``PRMRunner`` (``run`` one branch, ``score_branches`` of a tree, owned/borrowed lifecycle)
   (``scorers.runner``);
 - ``MetricsAccumulator`` (mergeable; ``rollout`` / ``eval-rollout`` namespaces) (``scorers.metrics``);
-- group filters (``scorers.filters``);
 - built-in scorers: ``LengthBudgetScorer``, ``FrozenLakeProgressScorer``, ``LLMJudgeScorer``,
   ``PRMModelScorer``.
 """
@@ -31,15 +30,6 @@ from scorers.config import (
     resolve_scorer_class,
     validate_prm_config,
 )
-from scorers.filters import (
-    FILTER_COUNTERS,
-    FILTER_REASONS,
-    FilterDecision,
-    GroupSample,
-    filter_mixed_or_penalized_all_wrong,
-    filter_mixed_or_penalized_all_wrong_mask_no_eos,
-    new_filter_counters,
-)
 from scorers.frozenlake import FrozenLakeProgressScorer, frozenlake_progress_score
 from scorers.length_budget import LengthBudgetScorer
 from scorers.llm_judge import LLMJudgeScorer
@@ -51,16 +41,12 @@ from scorers._http import ScorerHTTPError
 
 __all__ = [
     "EVAL_NAMESPACE",
-    "FILTER_COUNTERS",
-    "FILTER_REASONS",
     "ROLLOUT_NAMESPACE",
     "SHAPING_MODES",
     "AdvantageShapingConfig",
     "BaseScorer",
     "BaseTrajectoryScorer",
-    "FilterDecision",
     "FrozenLakeProgressScorer",
-    "GroupSample",
     "LLMJudgeScorer",
     "LengthBudgetScorer",
     "MetricsAccumulator",
@@ -76,11 +62,8 @@ __all__ = [
     "ScoringRejected",
     "SessionScores",
     "check_scorer_specs",
-    "filter_mixed_or_penalized_all_wrong",
-    "filter_mixed_or_penalized_all_wrong_mask_no_eos",
     "frozenlake_progress_score",
     "namespace_for",
-    "new_filter_counters",
     "resolve_scorer_class",
     "score_branch",
     "validate_prm_config",

@@ -158,13 +158,13 @@ def test_least_outstanding_and_sticky_routing(serve, tok):
 
 
 def test_prompt_echo_mismatch_is_an_error(serve, tok):
-    from rollout.client import _parse_vllm
+    from rollout.dialects import parse_vllm
 
     data = {"choices": [{"text": "x", "token_ids": [1], "prompt_token_ids": [9, 9], "finish_reason": "stop",
                          "logprobs": {"token_logprobs": [-0.5], "tokens": ["token_id:1"]}}]}
-    assert _parse_vllm(data, require_tokens=True)[5] == [9, 9]
+    assert parse_vllm(data, require_tokens=True)[5] == [9, 9]
     with pytest.raises(GenerationError, match="finish_reason"):
-        _parse_vllm({"choices": [{"text": "x", "finish_reason": "weird"}]}, require_tokens=True)
+        parse_vllm({"choices": [{"text": "x", "finish_reason": "weird"}]}, require_tokens=True)
 
 
 def test_config_validation():
@@ -448,29 +448,30 @@ def test_entropies_absent_unless_requested(serve, tok, dialect):
 
 
 def test_payload_asks_for_top_logprobs_in_both_dialects():
+    from rollout.dialects import request_body
+
     p = SamplingParams(top_logprobs=7)
-    vllm = GenerationClient(ClientConfig(endpoints=("http://x",)))
-    sgl = GenerationClient(ClientConfig(endpoints=("http://x",), dialect="sglang"))
-    assert vllm._payload([1], p)[1]["logprobs"] == 7 and vllm._payload([1], SamplingParams())[1]["logprobs"] == 1
-    body = sgl._payload([1], p)[1]
-    assert body["top_logprobs_num"] == 7 and body["return_logprob"] is True
-    assert "top_logprobs_num" not in sgl._payload([1], SamplingParams())[1]
+    assert request_body("vllm", None, [1], p)[1]["logprobs"] == 7
+    assert request_body("vllm", None, [1], SamplingParams())[1]["logprobs"] == 1
+    path, body = request_body("sglang", None, [1], p)
+    assert path == "/generate" and body["top_logprobs_num"] == 7 and body["return_logprob"] is True
+    assert "top_logprobs_num" not in request_body("sglang", None, [1], SamplingParams())[1]
 
 
 def test_entropy_parsing_of_real_server_shapes():
     """vLLM's dicts (with None entries and -inf alternatives) and SGLang's triples (None rows)."""
-    from rollout.client import _parse_sglang, _parse_vllm
+    from rollout.dialects import parse_sglang, parse_vllm
 
     tops = [{"token_id:1": -0.1, "token_id:7": -2.5, "token_id:9": float("-inf")}, None]
     data = {"choices": [{"text": "x", "token_ids": [1, 2], "finish_reason": "stop",
                          "logprobs": {"token_logprobs": [-0.1, -0.3], "tokens": ["token_id:1", "token_id:2"],
                                       "top_logprobs": tops}}]}
-    got = _parse_vllm(data, require_tokens=True, top_n=3)[6]
+    got = parse_vllm(data, require_tokens=True, top_n=3)[6]
     h = top_entropies(got)
     assert h[0] == pytest.approx(_entropy64([-0.1, -2.5]), abs=1e-12) and np.isnan(h[1])
-    assert _parse_vllm(data, require_tokens=True)[6] is None  # not asked for: not parsed
+    assert parse_vllm(data, require_tokens=True)[6] is None  # not asked for: not parsed
     sdata = {"text": "x", "output_ids": [1, 2], "meta_info": {
         "finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.1, 1, None], [-0.3, 2, None]],
         "output_top_logprobs": [[[-0.1, 1, None], [-1.0, 4, None]], None]}}
-    h = top_entropies(_parse_sglang(sdata, require_tokens=True, top_n=2)[6])
+    h = top_entropies(parse_sglang(sdata, require_tokens=True, top_n=2)[6])
     assert h[0] == pytest.approx(_entropy64([-0.1, -1.0]), abs=1e-12) and np.isnan(h[1])

@@ -29,7 +29,7 @@ from jaxprm.train.rundir import read_metrics
 from rollout.client import ClientConfig, GenerationClient
 from rollout.testing import ScriptedServer, ServerScript, hashed_action_policy, make_test_tokenizer
 from rollout.tree import run_group
-from scorers import FILTER_COUNTERS
+from rollout.filters import FILTER_COUNTERS
 from tests.scorers.scorer_http_server import ScriptedServer as ScorerServer
 from tests.train import fault_scorers
 from tests.train.llamacpp_like import LlamaCppLike

@@ -1,4 +1,4 @@
-"""Group filters: mixed or penalized all-wrong (and the mask-no-EOS variant)."""
+"""rollout.filters, the group filters: mixed or penalized all-wrong (and the mask-no-EOS variant)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scorers import (
+from rollout.filters import (
     FILTER_COUNTERS,
     GroupSample,
     filter_mixed_or_penalized_all_wrong,

@@ -1,4 +1,4 @@
-"""Group filters for process-reward training (layer 3, numpy only).
+"""Group filters for process-reward training (layer 4, beside the export that applies them; numpy only).
 
 A *group* is the set of samples drawn for one prompt (a GRPO group, or a PaTR tree's leaves). It is
 given in either of two forms:
