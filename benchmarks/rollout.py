@@ -31,7 +31,8 @@ from rollout.envs import FrozenLakeEnv, make_tasks
 from rollout.export import export_groups
 from rollout.stats import describe_groups
 from rollout.testing import make_test_tokenizer
-from rollout.tree import TreeConfig, run_groups
+from rollout.groups import TreeConfig
+from rollout.tree import run_groups
 from scorers import FrozenLakeProgressScorer
 
 

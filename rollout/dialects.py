@@ -72,28 +72,23 @@ def request_body(dialect: str, model: str | None, prompt: Sequence[int], p: Samp
     """``(path, JSON body)`` of one turn's request in ``dialect`` (``model``: vLLM's ``model`` field,
     omitted when ``None``)."""
     ids = prompt if type(prompt) is list else [int(t) for t in prompt]
+    options: dict[str, Any] = {}  # the sampling options both dialects name alike (the seed's key differs)
+    if p.top_k > 0:
+        options["top_k"] = p.top_k
+    if p.stop_token_ids:
+        options["stop_token_ids"] = list(p.stop_token_ids)
+    seed = {} if p.seed is None else {"seed" if dialect == "vllm" else "sampling_seed": int(p.seed)}
     if dialect == "vllm":
         body: dict[str, Any] = {
             "prompt": ids, "max_tokens": p.max_tokens,
             "temperature": p.temperature, "top_p": p.top_p, "n": 1, "stream": False,
             "logprobs": p.top_logprobs or 1, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            **options, **seed,
         }
         if model is not None:
             body["model"] = model
-        if p.top_k > 0:
-            body["top_k"] = p.top_k
-        if p.stop_token_ids:
-            body["stop_token_ids"] = list(p.stop_token_ids)
-        if p.seed is not None:
-            body["seed"] = int(p.seed)
         return "/v1/completions", body
-    sp: dict[str, Any] = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
-    if p.top_k > 0:
-        sp["top_k"] = p.top_k
-    if p.stop_token_ids:
-        sp["stop_token_ids"] = list(p.stop_token_ids)
-    if p.seed is not None:
-        sp["sampling_seed"] = int(p.seed)
+    sp = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, **options, **seed}
     body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "stream": False}
     if p.top_logprobs > 0:
         body["top_logprobs_num"] = p.top_logprobs

@@ -15,8 +15,9 @@ from typing import Any
 from rollout.chat import ChatTokenizer, PromptBuilder
 from rollout.client import GenerationClient, SamplingParams
 from rollout.envs.base import Env
+from rollout.groups import GroupResult, TreeConfig
 from rollout.stats import summarize_groups
-from rollout.tree import GroupResult, TreeConfig, run_groups
+from rollout.tree import run_groups
 
 __all__ = ["EvalSettings", "EvalResult", "eval_metrics", "evaluate"]
 

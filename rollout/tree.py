@@ -49,8 +49,7 @@ reproducible against a deterministic server. Give every group of a training run 
 Entry points: ``run_group`` / ``run_groups`` return :class:`GroupResult` (tree, the group's leaves,
 :class:`GroupStats`); ``rollout.export.export_groups`` turns a list of them into a ``jaxprm.Batch``.
 This module is the loop every strategy shares (the group runner); what each strategy does between
-intervals is in ``rollout.strategies``; the configs and results are in ``rollout.groups`` (and
-re-exported here).
+intervals is in ``rollout.strategies``; the configs and results are in ``rollout.groups``.
 """
 
 from __future__ import annotations
@@ -65,34 +64,13 @@ from rollout.branches import Branch, gather
 from rollout.chat import ChatTokenizer, PromptBuilder, check_extends
 from rollout.client import GenerationClient
 from rollout.envs.base import Env
-from rollout.groups import (DROPPED_UNDER_BEST_N, FLAT_STRATEGIES, GROUP_MODES, SCORED_STRATEGIES, STRATEGIES,
-                            THETA_AT, ARPOParams, CheckpointStats, GroupRejected, GroupResult, GroupStats,
-                            LeafRecord, ProcessRewards, RolloutError, TreeConfig, TreeParams, request_seed)
+from rollout.groups import (DROPPED_UNDER_BEST_N, GroupRejected, GroupResult, GroupStats, LeafRecord, RolloutError,
+                            TreeConfig, request_seed)
 from rollout.strategies import strategy_for
 from rollout.types import Interaction, InteractionTree
 from scorers import BaseScorer
 
-__all__ = [
-    "run_group",
-    "run_groups",
-    # rollout.groups, re-exported: what a caller of run_group passes and gets back
-    "request_seed",
-    "TreeConfig",
-    "TreeParams",
-    "ARPOParams",
-    "LeafRecord",
-    "CheckpointStats",
-    "GroupStats",
-    "GroupResult",
-    "ProcessRewards",
-    "RolloutError",
-    "GroupRejected",
-    "STRATEGIES",
-    "FLAT_STRATEGIES",
-    "SCORED_STRATEGIES",
-    "GROUP_MODES",
-    "THETA_AT",
-]
+__all__ = ["run_group", "run_groups"]
 
 
 class _GroupRun:

@@ -22,7 +22,8 @@ from rollout.proxy import ProxyConfig, ProxyServer
 from rollout.proxy.workflow import run_agent_group
 from rollout.scoring import score_groups
 from rollout.testing import ScriptedServer, ServerScript, frozenlake_policy, hashed_action_policy, make_test_tokenizer
-from rollout.tree import TreeConfig, run_group
+from rollout.groups import TreeConfig
+from rollout.tree import run_group
 from scorers import FrozenLakeProgressScorer, PRMRunner
 
 SEED, GROUP_SEED, G = 3, 20_007, 6

@@ -16,7 +16,8 @@ models = pytest.importorskip("jaxprm.models")
 from rollout.client import ClientConfig, GenerationClient, SamplingParams  # noqa: E402
 from rollout.envs import FrozenLakeEnv, make_tasks  # noqa: E402
 from rollout.export import export_groups  # noqa: E402
-from rollout.tree import ARPOParams, TreeConfig, run_group  # noqa: E402
+from rollout.groups import ARPOParams, TreeConfig  # noqa: E402
+from rollout.tree import run_group  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from rollout.envs import FrozenLakeEnv, make_tasks
 from rollout.export import export_groups, filter_groups, leaf_row
 from rollout.stats import describe_groups
 from rollout.testing import ServerScript, frozenlake_policy
-from rollout.tree import TreeConfig, run_groups
+from rollout.groups import TreeConfig
+from rollout.tree import run_groups
 from scorers import FrozenLakeProgressScorer
 
 

@@ -11,7 +11,8 @@ from jaxprm.fields import FieldError
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
 from rollout.envs import FrozenLakeEnv, FrozenLakeTask, StepResult, make_tasks
 from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
-from rollout.tree import ARPOParams, GroupRejected, RolloutError, TreeConfig, TreeParams, run_group, run_groups
+from rollout.groups import ARPOParams, GroupRejected, RolloutError, TreeConfig, TreeParams
+from rollout.tree import run_group, run_groups
 from scorers import BaseScorer
 
 SAMPLING = SamplingParams(max_tokens=24)

@@ -12,7 +12,8 @@ from rollout.client import ClientConfig, GenerationClient, SamplingParams  # noq
 from rollout.envs import FrozenLakeEnv, make_tasks  # noqa: E402
 from rollout.export import export_groups  # noqa: E402
 from rollout.testing import ServerScript, frozenlake_policy  # noqa: E402
-from rollout.tree import TreeConfig, run_group  # noqa: E402
+from rollout.groups import TreeConfig  # noqa: E402
+from rollout.tree import run_group  # noqa: E402
 
 
 def test_patr_with_frozenlake_progress_scorer_and_prm_export(serve, tok, prompts):

@@ -105,7 +105,7 @@ def test_file_then_overrides(tmp_path):
         (["ppo.target_kl=-0.1"], "ppo.target_kl"),
         (["ppo.behave_mode=clip"], "ppo.behave_mode: got 'clip'"),
         (["ppo.decoupled=true", "ppo.behave_mode=mask_sequence"], "mask_sequence needs rollout.export: concat"),
-        # the sections the libraries declare and validate (rollout.tree.TreeParams / ARPOParams,
+        # the sections the libraries declare and validate (rollout.groups.TreeParams / ARPOParams,
         # jaxprm.AdvantageParams), named by their full key
         (["rollout.alpha=-1"], "rollout.alpha: must be >= 0, got -1"),
         (["rollout.strategy=patr", "rollout.m=1"], "rollout.m: an expansion needs at least 2 children"),
@@ -191,7 +191,7 @@ def test_a_library_section_is_declared_once_and_composed():
 
     import jaxprm
     from jaxprm.train import adapters
-    from rollout.tree import TreeConfig, TreeParams
+    from rollout.groups import TreeConfig, TreeParams
 
     cfg = load_config(None, ["rollout.alpha=0.08", "rollout.keep=best_n", "rollout.arpo.entropy_weight=0.3",
                              "rollout.theta_at=checkpoint", "advantage.gae_method=cumsum", "advantage.kl_ctl=0.01"])
