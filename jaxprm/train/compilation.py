@@ -228,12 +228,12 @@ class BackgroundCompiler:
 @dataclasses.dataclass
 class Span:
     """One timed phase: ``wall`` seconds in all, ``compile`` of them compiling (nested phases
-    included)."""
+    included); ``child_wall`` / ``child_compile``: the part of each that nested phases took."""
 
     wall: float = 0.0
     compile: float = 0.0
-    _child_wall: float = 0.0
-    _child_compile: float = 0.0
+    child_wall: float = 0.0
+    child_compile: float = 0.0
 
 
 @contextlib.contextmanager
@@ -274,14 +274,14 @@ class PhaseTimes:
             self._stack.pop()
             dc = METER.snapshot() - c0
             span.wall, span.compile = time.perf_counter() - t0, dc.seconds
-            own_wall = span.wall - span._child_wall
+            own_wall = span.wall - span.child_wall
             # compilation inside this phase (not its children's), never more than the phase's own time
-            own_compile = min(max(dc.seconds - span._child_compile, 0.0), own_wall)
+            own_compile = min(max(dc.seconds - span.child_compile, 0.0), own_wall)
             self.seconds[name] += own_wall - own_compile
             self.seconds["compile"] += own_compile
             if self._stack:
-                self._stack[-1]._child_wall += span.wall
-                self._stack[-1]._child_compile += dc.seconds
+                self._stack[-1].child_wall += span.wall
+                self._stack[-1].child_compile += dc.seconds
             else:
                 self.programs += dc.count
                 self.cache_hits += dc.cache_hits
