@@ -28,10 +28,10 @@ from rollout.scoring import ScoredGroups, score_groups
 from rollout.stats import describe_groups
 from rollout.tree import run_groups
 
-__all__ = ["Collected", "StepCollector", "summed_stats"]
+__all__ = ["Collected", "StepCollector"]
 
 
-def summed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _summed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Row stats of several rounds (or processes): integer counters add up, means are averaged."""
     out: dict[str, Any] = {}
     for k in dict.fromkeys(k for p in parts for k in p):
@@ -135,7 +135,7 @@ class StepCollector:
                 rejected = [r for p in parts for r in p[1]]
                 scored = ScoredGroups.concat([p[2] for p in parts]) if scored is not None else None
                 split = [len(p[0]) for p in parts]
-                stats = summed_stats([p[3] for p in parts])
+                stats = _summed_stats([p[3] for p in parts])
             kept, fstats = await self.score_and_filter(groups, scored)
         return _Round(groups, kept, rejected, {**stats, **fstats}, split, rollout, scoring)
 
@@ -170,7 +170,7 @@ class StepCollector:
                 r.kept = mixed
             kept += r.kept
             rounds.append(r)
-        fstats = summed_stats([r.stats for r in rounds])
+        fstats = _summed_stats([r.stats for r in rounds])
         if dynamic:
             kept = kept[:want]
             fstats["dynamic_rounds"] = len(rounds)
