@@ -51,6 +51,7 @@ import jax  # noqa: E402
 
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
+from jaxprm.serve.sampling import buckets_up_to  # noqa: E402
 
 PROMPT_MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -266,9 +267,9 @@ def bench_patr(rounds: int, workdir: Path):
     out = dict(setting=dict(tasks_per_step=r.tasks_per_step, group_size=r.group_size, b0=r.b0, k=r.k, m=r.m,
                             top_k=r.top_k, max_new_tokens=r.max_new_tokens, max_turns=e.max_turns,
                             branch_scorer=r.branch_scorer.path), warm_start_s=warm_s, rounds=[])
-    with ServerHandle.start(model, tok, host="127.0.0.1", port=0, model_name="jaxprm",
-                            sampler_kwargs={"max_batch": s.max_batch, "max_context": ctx},
-                            collect_window_s=s.batch_window_ms / 1000.0) as server:
+    with ServerHandle.start(model, tok, host="127.0.0.1", port=0, config=s.serve_config(api_key=None),
+                            sampler_kwargs={"max_batch": s.max_batch, "max_context": ctx,
+                                            "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch)}) as server:
         engine = server.engine
         windows = [w for w in engine.window_buckets if w <= 1024]
         # every batch and prefill shape, in the decode variant the rollout client asks for
@@ -279,7 +280,7 @@ def bench_patr(rounds: int, workdir: Path):
             engine.set_prefix_caching(cache).result(60)
             st = engine.stats
             p0, c0, q0, n0 = st.prefill_tokens, st.cached_tokens, st.prompt_tokens, engine.num_compilations
-            client_cfg = adapters.client_config(cfg, [server.url], api_key=None)
+            client_cfg = cfg.server.client_config([server.url], api_key=None)
             batch = [tasks[(i * r.tasks_per_step + j) % len(tasks)] for j in range(r.tasks_per_step)]
             async with GenerationClient(client_cfg) as client:
                 t0 = time.perf_counter()

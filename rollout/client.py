@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from typing import Any
 
 import aiohttp
 
+from jaxprm.fields import require
 from rollout.dialects import (DIALECTS, MAX_TOP_LOGPROBS, GenerationError, SamplingParams, TextOnlyResponseError,
                               parse_sglang, parse_vllm, request_body, top_entropies)
 from rollout.types import ModelResponse
@@ -97,20 +99,20 @@ class ClientConfig:
     require_tokens: bool = True
 
     def __post_init__(self) -> None:
+        owner = type(self)
         if isinstance(self.endpoints, str):
             object.__setattr__(self, "endpoints", (self.endpoints,))
         object.__setattr__(self, "endpoints", tuple(e.rstrip("/") for e in self.endpoints))
-        if not self.endpoints:
-            raise ValueError("endpoints is empty; give at least one base URL")
-        if self.dialect not in DIALECTS:
-            raise ValueError(f"dialect={self.dialect!r}; allowed: {DIALECTS}")
+        require(bool(self.endpoints), "endpoints", "is empty; give at least one base URL (http://host:port)", owner)
+        for i, url in enumerate(self.endpoints):
+            require(url.startswith(("http://", "https://")), f"endpoints[{i}]",
+                    f"must start with http:// or https://, got {url!r}", owner)
+        require(self.dialect in DIALECTS, "dialect", f"got {self.dialect!r}; allowed: {DIALECTS}", owner)
         for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}; must be > 0")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries={self.max_retries}; must be >= 0")
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency={self.max_concurrency}; must be >= 1")
+            value = getattr(self, name)
+            require(math.isfinite(value) and value > 0, name, f"must be > 0, got {value!r}", owner)
+        require(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}", owner)
+        require(self.max_concurrency >= 1, "max_concurrency", f"must be >= 1, got {self.max_concurrency}", owner)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
 
-from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, Engine, EngineFuture, RowDelta
+from jaxprm.fields import require
+from jaxprm.serve.engine import DEFAULT_KV_CACHE_BYTES, MIN_WINDOW_FACTOR, Engine, EngineFuture, RowDelta
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.metrics import EngineMetrics
@@ -92,17 +94,26 @@ class ServeConfig:
     shared_prefix_attention: bool | None = None
 
     def __post_init__(self):
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty (None serves without a key)")
+        owner = type(self)
+        require(self.logprobs_mode in ("raw", "processed"), "logprobs_mode",
+                f"must be 'raw' or 'processed', got {self.logprobs_mode!r}", owner)
+        require(self.api_key is None or bool(self.api_key.strip()), "api_key",
+                "must not be empty (None serves without a key)", owner)
         object.__setattr__(self, "weights_roots", resolve_roots(self.weights_roots))
         for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes",
-                    "max_request_tokens"):
-            if getattr(self, key) is not None and int(getattr(self, key)) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.kv_cache_tokens is not None and int(self.kv_cache_tokens) < self.block_size:
-            raise ValueError(f"kv_cache_tokens must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}")
+                    "max_request_tokens", "max_batch"):
+            value = getattr(self, key)
+            require(value is None or int(value) >= 1, key, f"must be >= 1, got {value}", owner)
+        require(self.max_prefill_tokens >= self.prefill_chunk, "max_prefill_tokens",
+                f"must be >= prefill_chunk ({self.prefill_chunk}), got {self.max_prefill_tokens}", owner)
+        require(self.kv_cache_tokens is None or int(self.kv_cache_tokens) >= self.block_size, "kv_cache_tokens",
+                f"must be >= block_size ({self.block_size}), got {self.kv_cache_tokens}", owner)
+        require(self.window_factor is None or (not isinstance(self.window_factor, bool)
+                                               and self.window_factor >= MIN_WINDOW_FACTOR),
+                "window_factor", f"must be a number >= {MIN_WINDOW_FACTOR}, got {self.window_factor!r}", owner)
+        for key in ("collect_window_s", "max_collect_s", "request_timeout_s"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}", owner)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The ``Engine`` options of this config."""

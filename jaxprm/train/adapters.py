@@ -16,7 +16,7 @@ from typing import Any
 
 import jaxprm
 from jaxprm.train.config import TrainConfig
-from rollout.client import ClientConfig, SamplingParams
+from rollout.client import SamplingParams
 from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
 from rollout.evaluate import EvalSettings
 from rollout.groups import TreeConfig
@@ -25,7 +25,6 @@ from scorers import BaseScorer, resolve_scorer_class
 __all__ = [
     "advantage_config",
     "branch_scorer",
-    "client_config",
     "env_factory",
     "eval_settings",
     "loss_kwargs",
@@ -75,13 +74,6 @@ def eval_settings(cfg: TrainConfig, *, max_context: int | None) -> EvalSettings:
     return EvalSettings(samples=ev.samples, temperature=ev.temperature, greedy=ev.greedy,
                         max_turns=cfg.env.max_turns, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.seed,
                         max_context_tokens=max_context)
-
-
-def client_config(cfg: TrainConfig, urls: list[str], *, api_key: str | None) -> ClientConfig:
-    s = cfg.server
-    return ClientConfig(endpoints=tuple(urls), dialect=s.dialect, model=s.model_name or "jaxprm",
-                        api_key=api_key, timeout_s=s.timeout_s, max_retries=s.max_retries,
-                        max_concurrency=s.concurrency, require_tokens=s.token_backed)
 
 
 def branch_scorer(cfg: TrainConfig) -> BaseScorer | None:

@@ -321,14 +321,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _positive(o, "optimizer", "weight_decay", "warmup_steps", allow_zero=True)
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optimizer.b1/b2", "must be in [0, 1)")
     _check(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    sv = cfg.server
-    _check(bool(sv.batch_buckets) and all(isinstance(b, int) and b > 0 for b in sv.batch_buckets),
-           "server.batch_buckets", "must be a non-empty list of positive ints")
-    _check(isinstance(sv.window_factor, (int, float)) and not isinstance(sv.window_factor, bool)
-           and sv.window_factor >= 1.25, "server.window_factor", f"must be a number >= 1.25, got {sv.window_factor!r}")
-    _positive(sv, "server", "prefill_chunk", "max_prefill_tokens")
-    _check(sv.max_prefill_tokens >= sv.prefill_chunk, "server.max_prefill_tokens",
-           f"must be >= server.prefill_chunk ({sv.prefill_chunk}), got {sv.max_prefill_tokens}")
     p = cfg.ppo
     _positive(p, "ppo", "epochs", "num_minibatches", "eps_clip", "eps_clip_higher", "max_rows", "microbatch_rows")
     _positive(p, "ppo", "entropy_coef", allow_zero=True)
@@ -355,17 +347,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         v = getattr(m, n)
         _check(v == -1 or v >= 1, f"mesh.{n}", f"must be -1 (all remaining devices) or >= 1, got {v}")
     _check(not (m.data == -1 and m.fsdp == -1), "mesh", "at most one axis may be -1")
-    s = cfg.server
-    if s.kind == "external":
-        _check(bool(s.urls), "server.urls", "an external server needs at least one URL (http://host:port)")
-        for i, u in enumerate(s.urls):
-            _check(u.startswith(("http://", "https://")), f"server.urls[{i}]", f"must start with http:// or https://, got {u!r}")
-    _positive(s, "server", "timeout_s", "concurrency", "max_batch")
-    _positive(s, "server", "max_retries", "batch_window_ms", allow_zero=True)
-    _positive(s, "server", "warn_behavior_kl", "max_behavior_kl", allow_zero=True)
-    if s.max_behavior_kl is not None:
-        _check(s.warn_behavior_kl <= s.max_behavior_kl, "server.warn_behavior_kl",
-               f"must be <= server.max_behavior_kl ({s.max_behavior_kl}), got {s.warn_behavior_kl}")
     d = cfg.distributed
     if d.enabled and d.coordinator_address is not None:
         _check(d.num_processes is not None and d.process_id is not None, "distributed",

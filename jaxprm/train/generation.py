@@ -25,7 +25,6 @@ from jaxprm.models import save_pretrained
 from jaxprm.serve import ServerHandle
 from jaxprm.serve.sampling import buckets_up_to
 from jaxprm.train import multihost
-from jaxprm.train.adapters import client_config
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
 from jaxprm.train.setup import TrainError
@@ -60,23 +59,21 @@ class Generation:
         """Start the embedded server or check the external ones. An external server gets the
         learner's weights first when it cannot have them: on resume (the restored step's) and with
         ``push_weights`` (a warm-started policy, version 0)."""
-        cfg, s = self.cfg, self.cfg.server
+        s = self.cfg.server
         api_key = s.api_key
         if s.kind == "embedded":
             api_key = secrets.token_urlsafe(32)  # known to this process only: nobody else can steer the server
             self.server = ServerHandle.start(
                 self.policy.module(_copy(self.policy.params)), self.policy.tokenizer, host="127.0.0.1", port=0,
-                model_name="jaxprm", api_key=api_key, weights_roots=(str(self.run_dir),),
+                config=s.serve_config(api_key=api_key, weights_roots=(str(self.run_dir),)),
                 sampler_kwargs={"max_batch": s.max_batch, "max_context": self.max_context,
                                 "batch_buckets": buckets_up_to(s.batch_buckets, s.max_batch),
-                                "weight_version": resume_step},  # restored weights: the resumed step's
-                collect_window_s=s.batch_window_ms / 1000.0, window_factor=s.window_factor,
-                prefill_chunk=s.prefill_chunk, max_prefill_tokens=s.max_prefill_tokens)
+                                "weight_version": resume_step})  # restored weights: the resumed step's
             urls = [self.server.url]
             self.log(f"embedded server on {self.server.url} (API key required)")
         else:
             urls = list(s.urls)
-        self.client = GenerationClient(client_config(cfg, urls, api_key=api_key))
+        self.client = GenerationClient(s.client_config(urls, api_key=api_key))
         if s.kind == "external":
             await self.client.check_health()
             if s.token_backed:

@@ -5,11 +5,14 @@ run (``python -m jaxprm.train`` with no config). Loading, overrides and validati
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
+from jaxprm.fields import FieldError, require
 from jaxprm.learner.advantages import AdvantageParams
 from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
-from rollout.client import DIALECTS
+from jaxprm.serve.serving import ServeConfig
+from rollout.client import DIALECTS, ClientConfig
 from rollout.groups import ARPOParams, TreeParams
 from scorers import AdvantageShapingConfig, PRMConfig, ScorerSpec
 
@@ -84,6 +87,48 @@ class ServerConfig:
     weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
     warn_behavior_kl: float = 0.05
     max_behavior_kl: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        """Checks its own keys; what the client and the engine take is checked by building their
+        configs (``ClientConfig`` and ``ServeConfig`` validate themselves), with their errors
+        renamed to this section's keys."""
+        owner = type(self)
+        require(self.kind == "embedded" or bool(self.urls), "urls",
+                "an external server needs at least one URL (http://host:port)", owner)
+        require(bool(self.batch_buckets) and all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                                 for b in self.batch_buckets),
+                "batch_buckets", f"must be a non-empty list of positive ints, got {self.batch_buckets!r}", owner)
+        require(math.isfinite(self.batch_window_ms) and self.batch_window_ms >= 0, "batch_window_ms",
+                f"must be >= 0, got {self.batch_window_ms!r}", owner)
+        for name in ("warn_behavior_kl", "max_behavior_kl"):
+            value = getattr(self, name)
+            require(value is None or (math.isfinite(value) and value >= 0), name, f"must be >= 0, got {value!r}", owner)
+        require(self.max_behavior_kl is None or self.warn_behavior_kl <= self.max_behavior_kl, "warn_behavior_kl",
+                f"must be <= max_behavior_kl ({self.max_behavior_kl}), got {self.warn_behavior_kl}", owner)
+        try:
+            self.client_config(self.urls or ["http://127.0.0.1"], api_key=None)
+            self.serve_config(api_key=None)
+        except FieldError as e:
+            name, bracket, index = e.field.partition("[")  # endpoints[1] -> urls[1]
+            raise FieldError(_SERVER_KEYS.get(name, name) + bracket + index, e.message, owner) from None
+
+    def client_config(self, urls: list[str], *, api_key: str | None) -> ClientConfig:
+        """The rollout client's config: calls ``urls`` (the embedded server's or ``self.urls``)."""
+        return ClientConfig(endpoints=tuple(urls), dialect=self.dialect, model=self.model_name or "jaxprm",
+                            api_key=api_key, timeout_s=self.timeout_s, max_retries=self.max_retries,
+                            max_concurrency=self.concurrency, require_tokens=self.token_backed)
+
+    def serve_config(self, *, api_key: str | None, weights_roots: tuple[str, ...] = ()) -> ServeConfig:
+        """The embedded server's config (served as ``jaxprm``; loads weights only under ``weights_roots``)."""
+        return ServeConfig(model_name="jaxprm", api_key=api_key, weights_roots=weights_roots,
+                           max_batch=self.max_batch, collect_window_s=self.batch_window_ms / 1000.0,
+                           window_factor=self.window_factor, prefill_chunk=self.prefill_chunk,
+                           max_prefill_tokens=self.max_prefill_tokens)
+
+
+#: The ``server`` key of each client / engine option whose library name differs (the YAML keys came first).
+_SERVER_KEYS = {"endpoints": "urls", "model": "model_name", "max_concurrency": "concurrency",
+                "require_tokens": "token_backed"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -172,6 +172,10 @@ def test_config_validation():
         ClientConfig(endpoints=("http://x",), dialect="tgi")
     with pytest.raises(ValueError, match="endpoints"):
         ClientConfig(endpoints=())
+    with pytest.raises(ValueError, match=r"endpoints\[1\]: must start with http:// or https://"):
+        ClientConfig(endpoints=("http://x", "x:80"))
+    with pytest.raises(ValueError, match="max_concurrency: must be >= 1"):
+        ClientConfig(endpoints=("http://x",), max_concurrency=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert ClientConfig(endpoints="http://x/").endpoints == ("http://x",)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from jaxprm.serve import ServerHandle
+from jaxprm.serve.serving import ServeConfig
 
 
 def test_a_long_prompt_does_not_stall_other_requests(server):
@@ -77,3 +78,19 @@ def test_without_max_tokens_a_request_gets_what_fits(limited):
     assert all(len(c["token_ids"]) == 64 // 2 - prompt for c in body["choices"])
     r = limited.post("/generate", json={"input_ids": ids, "sampling_params": {"n": 8, "max_new_tokens": 1}})
     assert r.status_code == 400  # 8 x (10 + 1) = 88: even one token each does not fit
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(prefill_chunk=128, max_prefill_tokens=64), "max_prefill_tokens: must be >= prefill_chunk (128), got 64"),
+    (dict(window_factor=1.1), "window_factor: must be a number >= 1.25"),
+    (dict(max_batch=0), "max_batch: must be >= 1"),
+    (dict(collect_window_s=-0.001), "collect_window_s: must be >= 0"),
+    (dict(kv_cache_tokens=8), "kv_cache_tokens: must be >= block_size (16)"),
+    (dict(logprobs_mode="sampled"), "logprobs_mode: must be 'raw' or 'processed'"),
+])
+def test_serve_config_rejects_bad_values_by_name(kwargs, fragment):
+    """The server's options validate themselves once, naming the field (the trainer's ``server``
+    section relies on it, renaming the field to its own key)."""
+    with pytest.raises(ValueError) as ei:
+        ServeConfig(**kwargs)
+    assert fragment in str(ei.value)

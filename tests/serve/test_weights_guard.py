@@ -103,7 +103,7 @@ def test_empty_api_key_and_bad_weights_root_are_errors(tmp_path, capsys, monkeyp
     from jaxprm.serve.__main__ import main
 
     for key in ("", "  "):
-        with pytest.raises(ValueError, match="api_key must not be empty"):
+        with pytest.raises(ValueError, match="api_key: must not be empty"):
             ServeConfig(api_key=key)
     with pytest.raises(ValueError, match="not a directory"):
         ServeConfig(weights_roots=(str(tmp_path / "missing"),))

@@ -117,6 +117,16 @@ def test_file_then_overrides(tmp_path):
         (["advantage.gamma=2"], "advantage.gamma: must be in [0, 1], got 2"),
         (["advantage.reward_clip=0"], "advantage.reward_clip: must be a finite number > 0"),
         (["advantage.gae_method=fast"], "advantage.gae_method: got 'fast'; allowed values: 'auto', 'scan'"),
+        # the client's and the engine's own checks (rollout.ClientConfig / jaxprm.serve.ServeConfig),
+        # named by the server section's keys
+        (["server.concurrency=0"], "server.concurrency: must be >= 1, got 0"),
+        (["server.timeout_s=0"], "server.timeout_s: must be > 0"),
+        (["server.max_retries=-1"], "server.max_retries: must be >= 0"),
+        (["server.max_batch=0"], "server.max_batch: must be >= 1"),
+        (["server.max_prefill_tokens=32"], "server.max_prefill_tokens: must be >= prefill_chunk (64), got 32"),
+        (["server.kind=external", "server.urls=[http://a:1, ftp://b]"], "server.urls[1]: must start with http://"),
+        (["server.batch_window_ms=-1"], "server.batch_window_ms: must be >= 0"),
+        (["server.warn_behavior_kl=2"], "server.warn_behavior_kl: must be <= max_behavior_kl (1.0)"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
@@ -208,3 +218,17 @@ def test_a_library_section_is_declared_once_and_composed():
     assert TrainConfig().advantage.group_reward_norm and not jaxprm.AdvantageConfig().group_reward_norm
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.rollout.alpha = 0.5
+
+
+def test_the_server_section_builds_the_client_and_engine_configs():
+    """``server`` keys reach ``ClientConfig`` and ``ServeConfig`` under their library names, once."""
+    s = load_config(None, ["server.concurrency=7", "server.model_name=m", "server.token_backed=false",
+                           "server.timeout_s=9", "server.max_retries=2", "server.dialect=sglang",
+                           "server.batch_window_ms=20", "server.prefill_chunk=128", "server.max_prefill_tokens=512",
+                           "server.window_factor=2", "server.max_batch=16"]).server
+    c = s.client_config(["http://a:1/"], api_key="k")
+    assert (c.endpoints, c.max_concurrency, c.model, c.require_tokens, c.timeout_s, c.max_retries, c.dialect,
+            c.api_key) == (("http://a:1",), 7, "m", False, 9, 2, "sglang", "k")
+    v = s.serve_config(api_key="k")
+    assert (v.collect_window_s, v.prefill_chunk, v.max_prefill_tokens, v.window_factor, v.max_batch, v.api_key,
+            v.model_name) == (0.02, 128, 512, 2, 16, "k", "jaxprm")

@@ -66,7 +66,7 @@ def test_behavior_kl_warns_then_stops(tmp_path):
     gen.cfg = load_config(None, [*TINY, "server.max_behavior_kl=null", f"run_dir={tmp_path}"])
     gen.check_behavior(5, {"behavior_kl": 40.0})  # null: warn only
     assert len(logs) == 2
-    with pytest.raises(ConfigError, match="server.warn_behavior_kl: must be <= server.max_behavior_kl"):
+    with pytest.raises(ConfigError, match="server.warn_behavior_kl: must be <= max_behavior_kl"):
         load_config(None, ["server.warn_behavior_kl=2", "server.max_behavior_kl=1"])
     with pytest.raises(ConfigError, match="server.max_behavior_kl"):
         load_config(None, ["server.max_behavior_kl=-1"])
