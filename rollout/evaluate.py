@@ -40,10 +40,15 @@ class EvalSettings:
     max_context_tokens: int | None = None
 
 
+#: Metrics from the environment's recorded states, where it records them (``rollout.stats``).
+_STATE_METRICS = ("steps_over_optimal", "dead_rate")
+
+
 @dataclasses.dataclass
 class EvalResult:
     """``metrics``: ``success``, ``pass_at_<samples>``, ``turns``, ``response_tokens``, ``hole_rate``,
-    ``invalid_rate`` (and ``greedy_success``, ``greedy_turns``); ``groups``: the sampled groups;
+    ``invalid_rate``, ``steps_over_optimal`` (with any success), ``dead_rate`` (Sokoban) (and
+    ``greedy_success``, ``greedy_turns`` and the greedy pass's state metrics); ``groups``: the sampled groups;
     ``greedy_groups``: the greedy pass's (empty without it)."""
 
     metrics: dict[str, float]
@@ -64,11 +69,13 @@ def eval_metrics(groups: Sequence[GroupResult], greedy_groups: Sequence[GroupRes
         "response_tokens": summary["response_tokens"],
         "hole_rate": summary["hole_rate"],
         "invalid_rate": summary["invalid_rate"],
+        **{k: summary[k] for k in _STATE_METRICS if k in summary},
     }
     if settings.greedy:
         gs = summarize_groups(list(greedy_groups))
         metrics["greedy_success"] = gs["success"]
         metrics["greedy_turns"] = gs["turns"]
+        metrics.update({f"greedy_{k}": gs[k] for k in _STATE_METRICS if k in gs})
     return metrics
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.groups import GroupResult
+from rollout.groups import GroupResult, LeafRecord
 
 __all__ = ["describe_groups", "summarize_groups"]
 
@@ -50,11 +50,29 @@ def _per_checkpoint(groups: Sequence[GroupResult]) -> list[dict[str, int]]:
     return out
 
 
+def _last_states(groups: Sequence[GroupResult]) -> list[tuple[LeafRecord, dict[str, Any]]]:
+    """Each leaf with the environment state recorded after its last turn."""
+    return [(lf, g.tree.get(lf.leaf_id).env_state or {}) for g in groups for lf in g.leaves if lf.leaf_id in g.tree]
+
+
 def summarize_groups(groups: Sequence[GroupResult], prefix: str = "") -> dict[str, float]:
     """The evaluation summary: success (mean over all episodes), pass@k (groups with any success),
     mean turns, generated tokens per response, the rate of episodes that ended in a hole (status
-    ``done``) and of invalid answers among all sampled turns."""
+    ``done``) and of invalid answers among all sampled turns.
+
+    From the states the environment records: ``steps_over_optimal``, the mean over successful
+    episodes of ``turns - start_distance`` (moves beyond a shortest solution; both grid games
+    record ``start_distance``), and where the environment records ``dead`` (Sokoban),
+    ``dead_rate``, the episodes that ended in a state that can no longer be solved."""
     leaves = [lf for g in groups for lf in g.leaves]
+    states = _last_states(groups)
+    extra: dict[str, float] = {}
+    over = [lf.turns - st["start_distance"] for lf, st in states
+            if lf.status == "success" and isinstance(st.get("start_distance"), int) and st["start_distance"] >= 0]
+    if over:
+        extra[f"{prefix}steps_over_optimal"] = float(np.mean(over))
+    if any("dead" in st for _, st in states):
+        extra[f"{prefix}dead_rate"] = sum(bool(st.get("dead")) for _, st in states) / max(len(states), 1)
     n = max(len(leaves), 1)
     actions = sum(g.stats.sampled_actions for g in groups)
     gen = sum(g.stats.generated_tokens for g in groups)
@@ -66,4 +84,5 @@ def summarize_groups(groups: Sequence[GroupResult], prefix: str = "") -> dict[st
         f"{prefix}response_tokens": gen / max(actions, 1),
         f"{prefix}hole_rate": sum(lf.status == "done" for lf in leaves) / n,
         f"{prefix}invalid_rate": invalid / max(actions, 1),
+        **extra,
     }

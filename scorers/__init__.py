@@ -9,8 +9,8 @@
 - ``PRMRunner`` (``run`` one branch, ``score_branches`` of a tree, owned/borrowed lifecycle)
   (``scorers.runner``);
 - ``MetricsAccumulator`` (mergeable; ``rollout`` / ``eval-rollout`` namespaces) (``scorers.metrics``);
-- built-in scorers: ``LengthBudgetScorer``, ``FrozenLakeProgressScorer``, ``LLMJudgeScorer``,
-  ``PRMModelScorer``.
+- built-in scorers: ``LengthBudgetScorer``, ``FrozenLakeProgressScorer``, ``SokobanProgressScorer``,
+  ``LLMJudgeScorer``, ``PRMModelScorer``.
 """
 
 from scorers.base import (
@@ -35,6 +35,7 @@ from scorers.length_budget import LengthBudgetScorer
 from scorers.llm_judge import LLMJudgeScorer
 from scorers.metrics import EVAL_NAMESPACE, ROLLOUT_NAMESPACE, MetricsAccumulator, namespace_for
 from scorers.prm_model import PRMModelScorer
+from scorers.sokoban import SokobanProgressScorer, sokoban_progress_score
 from scorers.branch import score_branch
 from scorers.runner import PRMRunner, RunResult, SessionScores
 from scorers._http import ScorerHTTPError
@@ -61,10 +62,12 @@ __all__ = [
     "ScorerSpec",
     "ScoringRejected",
     "SessionScores",
+    "SokobanProgressScorer",
     "check_scorer_specs",
     "frozenlake_progress_score",
     "namespace_for",
     "resolve_scorer_class",
     "score_branch",
+    "sokoban_progress_score",
     "validate_prm_config",
 ]

@@ -197,7 +197,8 @@ class BaseScorer:
     """Base class for per-turn process-reward scorers.
 
     Subclasses set a non-empty class attribute ``name`` (unique within a runner; it names the
-    metrics), consume their own keyword arguments and pass ``weight`` / ``enabled`` to
+    metrics) and, when they read one environment's recorded states, ``env_name`` (the trainer
+    refuses the scorer with another ``env.name``), consume their own keyword arguments and pass ``weight`` / ``enabled`` to
     ``super().__init__``; leftover keyword arguments are rejected with their names. A constructor
     checks its arguments and may read files, but opens no connection and starts no work (open
     clients on first use): the trainer builds each configured scorer once when it loads the config,
@@ -208,6 +209,7 @@ class BaseScorer:
     """
 
     name: ClassVar[str] = ""
+    env_name: ClassVar[str | None] = None
 
     def __init__(self, weight: float = 1.0, enabled: bool = True, **kwargs: Any) -> None:
         cls = type(self).__name__

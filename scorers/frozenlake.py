@@ -96,6 +96,7 @@ class FrozenLakeProgressScorer(BaseScorer):
     """
 
     name = "frozenlake_progress"
+    env_name = "frozenlake"
 
     @classmethod
     def reward_range(cls, mode: str = "level", **kwargs: Any) -> tuple[float, float]:

@@ -9,7 +9,6 @@ interface change elsewhere is absorbed here.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,10 @@ from typing import Any
 import jaxprm
 from jaxprm.train.config import TrainConfig
 from rollout.client import SamplingParams
-from rollout.envs.frozenlake import COMPACT_SYSTEM_PROMPT, SYSTEM_PROMPT, FrozenLakeEnv, FrozenLakeTask, make_tasks
+from rollout.envs import sokoban
+from rollout.envs.base import Env
+from rollout.envs.frozenlake import make_tasks
+from rollout.envs.registry import get_env
 from rollout.evaluate import EvalSettings
 from rollout.groups import TreeConfig
 from scorers import BaseScorer, resolve_scorer_class
@@ -45,18 +47,21 @@ def advantage_config(cfg: TrainConfig) -> jaxprm.AdvantageConfig:
         negative_scale=sh.negative_scale, zero_penalty=sh.zero_penalty, zero_eps=sh.zero_eps)
 
 
-def env_factory(cfg: TrainConfig) -> Callable[[], FrozenLakeEnv]:
-    """A zero-argument constructor of the configured environment (``env.system_prompt`` and
-    ``env.invalid_ends_episode`` applied)."""
-    prompt = {"compact": COMPACT_SYSTEM_PROMPT, "full": SYSTEM_PROMPT, "none": None}[cfg.env.system_prompt]
-    return functools.partial(FrozenLakeEnv, prompt, invalid_ends_episode=cfg.env.invalid_ends_episode)
+def env_factory(cfg: TrainConfig) -> Callable[[], Env]:
+    """A zero-argument constructor of the configured environment (``env.name``, with
+    ``env.system_prompt`` and ``env.invalid_ends_episode`` applied)."""
+    return get_env(cfg.env.name).factory(cfg.env.system_prompt, invalid_ends_episode=cfg.env.invalid_ends_episode)
 
 
-def tasks(cfg: TrainConfig) -> tuple[list[FrozenLakeTask], list[FrozenLakeTask]]:
-    """The training maps and the held-out maps the evaluation uses (``eval.num_tasks`` of them)."""
+def tasks(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:
+    """The training tasks and the held-out tasks the evaluation uses (``eval.num_tasks`` of them)."""
     e = cfg.env
-    train, held_out = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,), p_frozen=e.p,
-                                 max_turns=e.max_turns, random_start_goal=e.random_start_goal)
+    if e.name == "sokoban":
+        train, held_out = sokoban.make_tasks(e.seed, e.train_tasks, e.eval_tasks, size=e.size, boxes=e.boxes,
+                                             max_turns=e.max_turns, min_distance=e.min_distance)
+    else:
+        train, held_out = make_tasks(e.seed, e.train_tasks, e.eval_tasks, sizes=(e.size,), p_frozen=e.p,
+                                     max_turns=e.max_turns, random_start_goal=e.random_start_goal)
     return train, held_out[: cfg.eval.num_tasks]
 
 
@@ -104,11 +109,24 @@ def row_capacity(cfg: TrainConfig, n_devices: int) -> int:
     return int(-(-cap // mult) * mult)
 
 
+_SOKOBAN_ONLY = ("boxes", "min_distance")
+
+
+def _env_key(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``env`` section as the warm start's cache key sees it: a FrozenLake key leaves out the
+    Sokoban-only fields, so the caches made before Sokoban existed still match."""
+    env = dataclasses.asdict(cfg.env)
+    if cfg.env.name == "frozenlake":
+        for key in _SOKOBAN_ONLY:
+            env.pop(key)
+    return env
+
+
 def warm_start_key_data(cfg: TrainConfig, model_config: Any = None) -> dict[str, Any]:
     """Everything that determines the warm-started params (``model_config``: the resolved
     ``jaxprm.models.ModelConfig``, so an architecture or init change misses the cache)."""
     resolved = dataclasses.asdict(model_config) if model_config is not None else None
     return {"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
-            "env": dataclasses.asdict(cfg.env),
+            "env": _env_key(cfg),
             "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
             "seed": cfg.seed}

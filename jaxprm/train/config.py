@@ -51,8 +51,12 @@ from jaxprm.train.schema import (  # noqa: F401  (the sections, re-exported: cal
 )
 from jaxprm.fields import FieldError
 from jaxprm.train.schema import __all__ as SCHEMA_NAMES
+from rollout.envs.registry import get_env
+from rollout.envs.sokoban import MAX_BOXES as SOKOBAN_MAX_BOXES
+from rollout.envs.sokoban import MAX_SIZE as SOKOBAN_MAX_SIZE
+from rollout.envs.sokoban import MIN_SIZE as SOKOBAN_MIN_SIZE
 from rollout.groups import FLAT_STRATEGIES
-from scorers import check_scorer_specs, validate_prm_config
+from scorers import check_scorer_specs, resolve_scorer_class, validate_prm_config
 
 __all__ = [
     "ConfigError",
@@ -273,6 +277,14 @@ def validate_prm(cfg: TrainConfig) -> None:
             check_scorer_specs([spec], where="rollout.branch_scorer", build=True)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e).replace("rollout.branch_scorer[0]", "rollout.branch_scorer")) from None
+    specs = [(f"prm.scorers[{i}].path", sp.path) for i, sp in enumerate(cfg.prm.scorers)] if cfg.prm.active else []
+    if cfg.rollout.strategy == "patr":
+        specs.append(("rollout.branch_scorer.path", cfg.rollout.branch_scorer.path))
+    for key, path in specs:  # a scorer that reads one environment's recorded states needs that environment
+        wanted = getattr(resolve_scorer_class(path, where=key), "env_name", None)
+        _check(wanted in (None, cfg.env.name), key,
+               f"{path} reads {wanted} states, but env.name is {cfg.env.name} "
+               f"(its progress scorer: {get_env(cfg.env.name).progress_scorer})")
 
 
 def validate_agent(cfg: TrainConfig) -> None:
@@ -285,6 +297,11 @@ def validate_agent(cfg: TrainConfig) -> None:
     _check(cfg.rollout.strategy == "flat", "rollout.strategy",
            f"rollout.source 'agent' runs flat groups (group_size sessions per task); got {cfg.rollout.strategy!r} "
            "(allowed: 'flat'; PaTR and tree_random fork environment states and stay on rollout.source 'tree')")
+    played = {"rollout.agents.frozenlake_chat:run": "frozenlake",  # the shipped example agents' game
+              "rollout.agents.grid_chat:run": ag.kwargs.get("env", "frozenlake")}.get(ag.workflow)
+    _check(played in (None, cfg.env.name), "agent.workflow",
+           f"{ag.workflow} plays {played}, but env.name is {cfg.env.name} (use rollout.agents.grid_chat:run with "
+           f"agent.kwargs.env: {cfg.env.name})")
     mod, sep, fn = ag.workflow.partition(":")
     _check(bool(mod) and sep == ":" and bool(fn) and ":" not in fn, "agent.workflow",
            f"must look like package.module:function, got {ag.workflow!r}")
@@ -313,8 +330,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(not cfg.distributed.enabled, "rollout.asynchronous", "is single-process (not with distributed.enabled)")
     validate_agent(cfg)
     e = cfg.env
-    _check(2 <= e.size <= 16, "env.size", f"must be in [2, 16], got {e.size}")
-    _check(0 < e.p <= 1, "env.p", f"must be in (0, 1], got {e.p}")
+    if e.name == "sokoban":
+        _check(SOKOBAN_MIN_SIZE <= e.size <= SOKOBAN_MAX_SIZE, "env.size",
+               f"a Sokoban room is {SOKOBAN_MIN_SIZE} to {SOKOBAN_MAX_SIZE} cells a side, got {e.size}")
+        _check(1 <= e.boxes <= SOKOBAN_MAX_BOXES, "env.boxes", f"must be in [1, {SOKOBAN_MAX_BOXES}], got {e.boxes}")
+        _check(e.min_distance >= 1, "env.min_distance", f"must be >= 1, got {e.min_distance}")
+    else:
+        _check(2 <= e.size <= 16, "env.size", f"must be in [2, 16], got {e.size}")
+        _check(0 < e.p <= 1, "env.p", f"must be in (0, 1], got {e.p}")
     _positive(e, "env", "max_turns", "train_tasks", "eval_tasks")
     o = cfg.optimizer
     _positive(o, "optimizer", "lr", "grad_clip", "eps")

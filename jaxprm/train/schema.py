@@ -214,27 +214,33 @@ class RolloutConfig(TreeParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvConfig:
-    """FrozenLake tasks: maps of ``size`` x ``size`` with hole probability ``p``.
+    """The environment: ``name`` is ``frozenlake`` (default) or ``sokoban`` (``rollout.envs.get_env``).
 
-    ``random_start_goal``: False (default) is gymnasium's layout, start top-left and goal
-    bottom-right; True puts start and goal on two random distinct cells (much harder for a small
-    policy: the right move then depends on locating both P and G in the text map).
+    FrozenLake: maps of ``size`` x ``size`` with hole probability ``p``. ``random_start_goal``: False
+    (default) is gymnasium's layout, start top-left and goal bottom-right; True puts start and goal
+    on two random distinct cells (much harder for a small policy: the right move then depends on
+    locating both P and G in the text map).
+
+    Sokoban: generated rooms of ``size`` x ``size`` cells (5 to 10; the grid's edge is a wall) with
+    ``boxes`` boxes (1 to 3), each solvable in at least ``min_distance`` moves (``rollout.envs.sokoban``).
 
     ``system_prompt``: ``compact`` (default; ~40 tokens instead of ~140 with the tiny tokenizer,
     which matters because every turn re-reads the whole history), ``full`` (the verbose rules, for
     instruct models) or ``none``.
 
-    ``invalid_ends_episode``: an answer without a valid fenced move ends the episode with reward 0
-    (default). With false it is a no-op turn, which GRPO learned to exploit as a "safe move" (the
+    ``invalid_ends_episode``: an answer without a valid fenced move ends the episode (default).
+    With false it is a no-op turn, which GRPO learned to exploit as a "safe move" on FrozenLake (the
     tiny policy's invalid rate rose from 1% to 16-20% within 20 steps and success fell)."""
 
-    name: Literal["frozenlake"] = "frozenlake"
+    name: Literal["frozenlake", "sokoban"] = "frozenlake"
     system_prompt: Literal["compact", "full", "none"] = "compact"
     invalid_ends_episode: bool = True
     size: int = 4
     p: float = 0.8  # probability that a cell is frozen (gymnasium's convention)
     max_turns: int = 10
     random_start_goal: bool = False
+    boxes: int = 1  # sokoban
+    min_distance: int = 2  # sokoban
     train_tasks: int = 2048
     eval_tasks: int = 64
     seed: int = 0

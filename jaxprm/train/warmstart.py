@@ -35,7 +35,8 @@ from jaxprm.learner.batch import RowData, pad_rows
 from jaxprm.models import next_token_logprobs
 from jaxprm.train.config import config_hash
 from rollout.chat import PromptBuilder
-from rollout.envs.frozenlake import ACTIONS, FrozenLakeEnv, bfs_distances
+from rollout.envs.base import ACTIONS
+from rollout.envs.frozenlake import FrozenLakeEnv
 
 __all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key"]
 
@@ -46,21 +47,6 @@ class Demo:
     mask: list[float]
     success: bool
     turns: int
-
-
-def _optimal_actions(env) -> list[str]:
-    dist = bfs_distances(env.task.desc)
-    best, out = None, []
-    for a in ACTIONS:
-        (r, c), hole, goal = env.move(a)
-        d = 0 if goal else (-1 if hole else dist[r][c])
-        if d < 0 or (r, c) == env.position:
-            continue
-        if best is None or d < best:
-            best, out = d, [a]
-        elif d == best:
-            out.append(a)
-    return out
 
 
 async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_factory,
@@ -77,7 +63,7 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_fact
     eos = prompts.eos_token_id
     success, turns = False, 0
     while True:
-        opt = _optimal_actions(env)
+        opt = env.optimal_actions()
         action = rng.choice(opt) if opt and rng.random() < optimal_prob else rng.choice(ACTIONS)
         text = f"```{action}```"
         sampled = list(prompts.tokenizer.encode(text)) + [eos]

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from rollout.envs.base import StepResult
+from rollout.envs.base import ACTIONS, DELTAS as _DELTAS, StepResult, parse_action
 
 __all__ = [
     "FrozenLakeTask",
@@ -41,10 +40,6 @@ __all__ = [
     "COMPACT_SYSTEM_PROMPT",
 ]
 
-ACTIONS = ("Left", "Down", "Right", "Up")  # gymnasium action ids 0..3
-_DELTAS = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
-_FENCE = re.compile(r"```[ \t]*([A-Za-z]+)[ \t]*\n?```")
-_LOOKUP = {a.lower(): a for a in ACTIONS}
 
 SYSTEM_PROMPT = (
     "You are playing FrozenLake on a grid. Symbols: P is you, _ is frozen ice (safe), O is a hole "
@@ -121,14 +116,6 @@ def render_map(desc: Sequence[str], position: tuple[int, int]) -> str:
     return "\n".join(out)
 
 
-def parse_action(text: str) -> str | None:
-    """The action in the last fenced block of ``text`` (canonical case), or ``None``."""
-    blocks = _FENCE.findall(text or "")
-    if not blocks:
-        return None
-    return _LOOKUP.get(blocks[-1].strip().lower())
-
-
 @dataclasses.dataclass(frozen=True)
 class FrozenLakeTask:
     """One map. ``desc`` rows use ``S F H G``; ``task_id`` names it in logs and exports."""
@@ -198,6 +185,22 @@ class FrozenLakeEnv:
     def _board(self) -> str:
         assert self.task is not None
         return "Map:\n" + render_map(self.task.desc, self.position)
+
+    def optimal_actions(self) -> list[str]:
+        """The moves that step onto a shortest hole-free path to the goal (empty from a hole or a
+        cell that cannot reach it); a move into the edge is never one."""
+        assert self.task is not None
+        best, out = None, []
+        for a in ACTIONS:
+            (r, c), hole, goal = self.move(a)
+            d = 0 if goal else (-1 if hole else self._dist[r][c])
+            if d < 0 or (r, c) == self.position:
+                continue
+            if best is None or d < best:
+                best, out = d, [a]
+            elif d == best:
+                out.append(a)
+        return out
 
     def move(self, action: str) -> tuple[tuple[int, int], bool, bool]:
         """Apply a valid action: returns ``(new_position, in_hole, at_goal)`` (no turn counting)."""

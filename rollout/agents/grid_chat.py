@@ -1,0 +1,63 @@
+"""A grid game (FrozenLake or Sokoban) as a plain chat loop: the environment on the agent's side,
+the model behind the proxy.
+
+The agent talks only through the official ``openai`` SDK (``chat.completions.create``), exactly the
+way an unmodified agent would; it keeps the conversation in the same shape as the tree rollouts
+(system rules, the map as a user message, the assistant's fenced move, the environment's answer as
+the next user message), so a policy warm-started or evaluated on the tree path sees the same text.
+
+It returns ``{"rewards": {completion id: step reward}, "env_states": {completion id: step info}}``:
+per-turn rewards (their sum is the episode's outcome: FrozenLake's 1 on reaching the goal,
+Sokoban's gym-sokoban rewards) and what the environment reported after each turn (position,
+distance to go, hole or dead state, success), which the environment's progress scorer
+(``scorers.FrozenLakeProgressScorer``, ``scorers.SokobanProgressScorer``) reads as a process reward.
+
+``env`` names the game (``rollout.envs.get_env``). A task is the game's task object (in-process)
+or its JSON form: FrozenLake ``{"desc": [...], "max_turns": N}``, Sokoban ``{"room": [...],
+"max_turns": N}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+
+from rollout.envs.registry import get_env
+
+__all__ = ["run"]
+
+
+async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *, env: str = "frozenlake",
+              model: str = "jaxprm", system_prompt: str = "compact", invalid_ends_episode: bool = True, max_tokens: int = 8,
+              temperature: float = 1.0, top_p: float = 1.0, theta: int | None = 6) -> dict[str, Any]:
+    """Play one episode of ``env`` through the proxy; see the module docstring.
+
+    ``theta``: stop after this many identical consecutive actions (the tree rollouts' loop rule;
+    ``None``: never). ``system_prompt``: ``compact`` | ``full`` | ``none``.
+    """
+    spec = get_env(env)
+    task = spec.task(task)
+    game = spec.factory(system_prompt, invalid_ends_episode=invalid_ends_episode)()
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
+    observation = await game.reset(task)
+    system = game.system_prompt(task)
+    messages: list[dict[str, Any]] = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": observation})
+    rewards: dict[str, float] = {}
+    states: dict[str, dict[str, Any]] = {}
+    actions: list[Any] = []
+    while True:
+        completion = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                          temperature=temperature, top_p=top_p)
+        text = completion.choices[0].message.content or ""
+        step = await game.step(text)
+        rewards[completion.id] = float(step.reward)
+        states[completion.id] = dict(step.info)
+        actions.append(step.info.get("action"))
+        if step.done:
+            break
+        if theta is not None and len(actions) >= theta and len(set(map(repr, actions[-theta:]))) == 1:
+            break
+        messages += [{"role": "assistant", "content": text}, {"role": step.role, "content": step.observation}]
+    return {"rewards": rewards, "env_states": states}

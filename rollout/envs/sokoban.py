@@ -1,0 +1,308 @@
+"""Text Sokoban: push every box onto a target, one fenced move per turn (layer 4).
+
+The rules are gym-sokoban's (see :mod:`rollout.envs.sokoban_rules`): a move steps the player, pushes
+a box ahead of it one cell if that cell is free, and is a no-op into a wall or a blocked box. The
+reward of a step is gym-sokoban's: -0.1, +1 for a box pushed onto a target, -1 for one pushed off,
++10 when every box is on a target (the episode then ends). An episode also ends after
+``max_turns`` steps. A box pushed into a corner off a target makes the level unsolvable, many turns
+before the episode ends.
+
+The model sees the room one row per line, cells separated by spaces: ``#`` wall, ``_`` floor,
+``O`` target, ``X`` box, ``*`` box on a target, ``P`` player, ``S`` player on a target (RAGEN's
+symbols, with ``*`` for its non-ASCII box on target). The answer format is FrozenLake's: the move
+in the last fenced block (```` ```Up``` ````); an invalid answer ends the episode (default) or is a
+no-op turn.
+
+After every step ``info`` holds what the progress scorer and the metrics read: ``position``,
+``boxes`` (cells as ``[row, col]``), ``boxes_on_target``, ``distance`` (the fewest moves left to
+solve the level, ``-1`` when it can no longer be solved), ``start_distance``, ``dead``,
+``success``, ``done``, ``action``, ``valid``, ``truncated``, ``turn``.
+
+Levels are generated as gym-sokoban does (:func:`generate_level`): a room carved by a random walk,
+boxes placed on their targets, then random reverse play (the player walks and pulls boxes), keeping
+the state that moved the boxes farthest. Reverse play from the solved room means every level is
+solvable; the solver confirms it and gives the optimal length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rollout.envs.base import ACTIONS, DELTAS, StepResult, parse_action
+from rollout.envs.sokoban_rules import (Layout, State, dead_squares, distance_table, optimal_moves, parse_level,
+                                        push, render_level)
+
+__all__ = ["SokobanTask", "SokobanEnv", "generate_level", "make_tasks", "render_room", "SYSTEM_PROMPT",
+           "COMPACT_SYSTEM_PROMPT", "STEP_REWARD", "BOX_ON_REWARD", "BOX_OFF_REWARD", "SOLVED_REWARD",
+           "MIN_SIZE", "MAX_SIZE", "MAX_BOXES"]
+
+STEP_REWARD, BOX_ON_REWARD, BOX_OFF_REWARD, SOLVED_REWARD = -0.1, 1.0, -1.0, 10.0
+MIN_SIZE, MAX_SIZE, MAX_BOXES = 5, 10, 3
+
+SYSTEM_PROMPT = (
+    "You are playing Sokoban on a grid. Symbols: # is a wall, _ is floor, O is a target, X is a box, "
+    "* is a box on a target, P is you, S is you standing on a target. Push every box onto a target. "
+    "You push a box by walking into it; it moves one cell if the cell behind it is free. You cannot pull "
+    "boxes, so a box pushed into a corner that is not a target can never be moved again. "
+    "Each turn, answer with exactly one move written in a fenced block: ```Left```, ```Down```, "
+    "```Right``` or ```Up```. Left/Right change the column, Up/Down change the row (row 0 is the top)."
+)
+
+COMPACT_SYSTEM_PROMPT = (
+    "Sokoban: push every box X onto a target O; P is you, # wall, _ floor, * box on target. "
+    "Answer one move: ```Left```, ```Down```, ```Right``` or ```Up```."
+)
+
+_SYMBOLS = {"#": "#", "_": "_", ".": "O", "$": "X", "*": "*", "@": "P", "+": "S"}
+
+
+def render_room(rows: Sequence[str]) -> str:
+    """The model's view of a level's rows: the symbols of the module docstring, space separated."""
+    return "\n".join(" ".join(_SYMBOLS[ch] for ch in row) for row in rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SokobanTask:
+    """One level: ``room`` rows in :mod:`rollout.envs.sokoban_rules`' letters; ``task_id`` names it."""
+
+    room: tuple[str, ...]
+    max_turns: int = 20
+    task_id: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "room", tuple(self.room))
+        parse_level(self.room)  # raises on a malformed level
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns={self.max_turns}; must be >= 1")
+
+    @property
+    def optimal_length(self) -> int:
+        """The fewest moves that solve the level (``-1``: none)."""
+        layout, start = parse_level(self.room)
+        return distance_table(layout).get(start, -1)
+
+
+class SokobanEnv:
+    """One Sokoban episode (see the module docstring). ``clone()`` copies the episode state.
+
+    ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
+    :data:`COMPACT_SYSTEM_PROMPT` for small policies, ``None`` for none).
+    ``invalid_ends_episode``: an invalid answer ends the episode (its step reward only) instead of
+    being a no-op turn.
+    """
+
+    def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, *, invalid_ends_episode: bool = False) -> None:
+        self._system_prompt = system_prompt
+        self.invalid_ends_episode = invalid_ends_episode
+        self.task: SokobanTask | None = None
+        self.layout: Layout | None = None
+        self.state: State = (0, ())
+        self.turn = 0
+        self.done = False
+        self.start_distance = -1
+
+    def system_prompt(self, task: SokobanTask) -> str | None:
+        return self._system_prompt
+
+    async def reset(self, task: SokobanTask) -> str:
+        if not isinstance(task, SokobanTask):
+            raise TypeError(f"task must be a SokobanTask, got {type(task).__name__}")
+        self.task = task
+        self.layout, self.state = parse_level(task.room)
+        self.turn = 0
+        self.done = False
+        self.start_distance = self.distance()
+        return f"{self._board()}\nWhat is your move?"
+
+    def clone(self) -> SokobanEnv:
+        other = SokobanEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode)
+        other.task, other.layout = self.task, self.layout  # immutable
+        other.state, other.turn, other.done, other.start_distance = self.state, self.turn, self.done, self.start_distance
+        return other
+
+    def distance(self) -> int:
+        """The fewest moves left to solve the level from the current state (``-1``: unsolvable)."""
+        assert self.layout is not None
+        return distance_table(self.layout).get(self.state, -1)
+
+    def optimal_actions(self) -> list[str]:
+        """The moves that begin a shortest solution (empty once solved or dead)."""
+        assert self.layout is not None
+        return optimal_moves(self.layout, self.state)
+
+    def _board(self) -> str:
+        assert self.layout is not None
+        return "Room:\n" + render_room(render_level(self.layout, self.state))
+
+    def _cell(self, cell: int) -> list[int]:
+        assert self.layout is not None
+        return list(divmod(cell, self.layout.width))
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.task is None or self.layout is None:
+            raise RuntimeError("step() before reset()")
+        if self.done:
+            raise RuntimeError("step() after the episode ended")
+        self.turn += 1
+        action = parse_action(action_text)
+        reward, targets = STEP_REWARD, set(self.layout.targets)
+        if action is None:
+            msg = ("Invalid answer. Reply with exactly one move in a fenced block: "
+                   "```Left```, ```Down```, ```Right``` or ```Up```.")
+        else:
+            new, box_from, box_to = push(self.layout, self.state, action)
+            if new == self.state:
+                msg = f"You moved {action} and did not move: a wall or a blocked box is in the way."
+            elif box_from is None:
+                msg = f"You moved {action}."
+            else:
+                reward += BOX_ON_REWARD * (box_to in targets) + BOX_OFF_REWARD * (box_from in targets)
+                msg = f"You moved {action} and pushed a box."
+            self.state = new
+        on_target = sum(b in targets for b in self.state[1])
+        success = on_target == len(self.layout.targets)
+        if success:
+            reward += SOLVED_REWARD
+            msg += " Every box is on a target: solved."
+        ended_invalid = action is None and self.invalid_ends_episode
+        truncated = not (success or ended_invalid) and self.turn >= self.task.max_turns
+        self.done = success or ended_invalid or truncated
+        if not self.done:
+            msg += f"\n{self._board()}\nWhat is your move?"
+        elif truncated:
+            msg += " Out of turns."
+        elif ended_invalid:
+            msg += " The episode is over."
+        distance = self.distance()
+        info = {
+            "position": self._cell(self.state[0]),
+            "boxes": [self._cell(b) for b in self.state[1]],
+            "boxes_on_target": on_target,
+            "distance": distance,
+            "start_distance": self.start_distance,
+            "dead": distance < 0,
+            "success": success,
+            "done": self.done,
+            "action": action,
+            "valid": action is not None,
+            "truncated": truncated,
+            "turn": self.turn,
+        }
+        return StepResult(observation=msg, reward=round(reward, 6), done=self.done, info=info)
+
+
+# 3x3 shapes the room's random walk carves (gym-sokoban's masks): a cell, lines, corners, a square.
+_MASKS = (
+    ((0, 0),),
+    ((0, -1), (0, 0), (0, 1)),
+    ((-1, 0), (0, 0), (1, 0)),
+    ((0, 0), (0, 1), (1, 0)),
+    ((0, 0), (0, -1), (-1, 0)),
+    ((0, 0), (0, 1), (1, 0), (1, 1)),
+)
+
+
+def _carve(rng: np.random.Generator, size: int) -> set[tuple[int, int]]:
+    """Floor cells of a ``size`` x ``size`` room carved by a random walk (the grid's edge is a wall)."""
+    lo, hi = 0, size - 1
+    r, c = (int(x) for x in rng.integers(lo, hi + 1, size=2))
+    direction = DELTAS[ACTIONS[int(rng.integers(4))]]
+    floor: set[tuple[int, int]] = set()
+    for _ in range(int(1.5 * (2 * size))):
+        if rng.random() < 0.35:
+            direction = DELTAS[ACTIONS[int(rng.integers(4))]]
+        for dr, dc in _MASKS[int(rng.integers(len(_MASKS)))]:
+            if lo <= r + dr <= hi and lo <= c + dc <= hi:
+                floor.add((r + dr, c + dc))
+        r, c = min(max(r + direction[0], lo), hi), min(max(c + direction[1], lo), hi)
+    return floor
+
+
+def _reverse_play(rng: np.random.Generator, layout: Layout, player: int, steps: int) -> State | None:
+    """Random reverse play from the solved room (a step, pulling the box behind with probability
+    1/2); returns the state whose boxes moved farthest from their targets times the number of box
+    moves (gym-sokoban's score), or ``None`` if no box ever left its target."""
+    boxes = list(layout.targets)
+    best, best_score, pulls = None, 0, 0
+    for _ in range(steps):
+        action = ACTIONS[int(rng.integers(4))]
+        to = layout.step(player, action)
+        if not layout.free(to) or to in boxes:
+            continue
+        behind = layout.step(player, {"Left": "Right", "Right": "Left", "Up": "Down", "Down": "Up"}[action])
+        if behind in boxes and rng.random() < 0.5:
+            boxes[boxes.index(behind)] = player
+            pulls += 1
+        player = to
+        moved = sum(_manhattan(layout, b, t) for b, t in zip(boxes, layout.targets))
+        state = (player, tuple(sorted(boxes)))
+        if moved and pulls * moved > best_score and set(boxes) != set(layout.targets):
+            best, best_score = state, pulls * moved
+    return best
+
+
+def _manhattan(layout: Layout, a: int, b: int) -> int:
+    (ra, ca), (rb, cb) = divmod(a, layout.width), divmod(b, layout.width)
+    return abs(ra - rb) + abs(ca - cb)
+
+
+def generate_level(seed: int | np.random.Generator, size: int = 5, boxes: int = 1, *, min_distance: int = 2,
+                   max_tries: int = 1000) -> tuple[str, ...]:
+    """A solvable ``size`` x ``size`` level (border walls) with ``boxes`` boxes, whose optimal solution
+    takes at least ``min_distance`` moves; deterministic for a seed (see the module docstring)."""
+    if not MIN_SIZE <= size <= MAX_SIZE:
+        raise ValueError(f"size={size}; must be in [{MIN_SIZE}, {MAX_SIZE}]")
+    if not 1 <= boxes <= MAX_BOXES:
+        raise ValueError(f"boxes={boxes}; must be in [1, {MAX_BOXES}]")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    for _ in range(max_tries):
+        floor = sorted(_carve(rng, size))
+        if len(floor) < boxes + 3:
+            continue
+        picks = rng.choice(len(floor), size=boxes + 1, replace=False)
+        cells = [floor[int(i)][0] * size + floor[int(i)][1] for i in picks]
+        walls = frozenset(r * size + c for r in range(size) for c in range(size)) - {r * size + c for r, c in floor}
+        layout = Layout(size, size, walls, tuple(sorted(cells[:boxes])))
+        state = _reverse_play(rng, layout, cells[boxes], steps=300)
+        if state is None or any(b in dead_squares(layout) for b in state[1]):
+            continue
+        if distance_table(layout).get(state, -1) >= min_distance:
+            return render_level(layout, state)
+    raise RuntimeError(f"no level after {max_tries} tries (size={size}, boxes={boxes}, min_distance={min_distance})")
+
+
+def make_tasks(seed: int, n_train: int, n_eval: int, *, size: int = 5, boxes: int = 1, max_turns: int = 20,
+               min_distance: int = 2) -> tuple[list[SokobanTask], list[SokobanTask]]:
+    """Train and held-out eval levels from ``seed``; no eval level appears in the train list.
+    Deterministic for a given seed."""
+    if n_train < 0 or n_eval < 0:
+        raise ValueError(f"n_train={n_train}, n_eval={n_eval}; must be >= 0")
+    rng = np.random.default_rng(seed)
+    seen: set[tuple[str, ...]] = set()
+
+    def draw(n: int, split: str) -> list[SokobanTask]:
+        out: list[SokobanTask] = []
+        tries = 0
+        while len(out) < n:
+            tries += 1
+            if tries > 100 * (n + 10):
+                raise RuntimeError(f"cannot draw {n} distinct {split} levels (size={size}, boxes={boxes})")
+            room = generate_level(rng, size, boxes, min_distance=min_distance)
+            if room in seen:
+                continue
+            seen.add(room)
+            out.append(SokobanTask(room=room, max_turns=max_turns, task_id=f"{split}-{len(out)}"))
+        return out
+
+    eval_tasks = draw(n_eval, "eval")
+    return draw(n_train, "train"), eval_tasks
+
+
+def describe(task: SokobanTask) -> dict[str, Any]:
+    """JSON-friendly summary of a level (for logs)."""
+    return {"task_id": task.task_id, "room": list(task.room), "max_turns": task.max_turns,
+            "optimal_length": task.optimal_length}
