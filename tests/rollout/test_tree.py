@@ -202,6 +202,34 @@ def test_group_sizes_match_config(serve, tok, prompts, strategy, size):
             assert lf.outcome_reward == (1.0 if lf.status == "success" else 0.0)
 
 
+@pytest.mark.parametrize("strategy,size", [("flat", 6), ("dapo", 6), ("tree_random", 8), ("patr", 8), ("arpo", 8)])
+def test_every_strategy_rolls_out_sokoban(serve, tok, prompts, strategy, size):
+    """Sokoban groups of every strategy, PaTR's branches ranked by the Sokoban progress scorer."""
+    from rollout.envs.sokoban import SokobanEnv, make_tasks as sokoban_tasks
+    from scorers import SokobanProgressScorer
+
+    srv = serve(ServerScript(policy=hashed_action_policy(tok)))
+    tasks, _ = sokoban_tasks(2, 4, 0, size=6, boxes=2, max_turns=8)
+    cfg = TreeConfig(strategy=strategy, group_size=6, b0=4, k=3, max_turns=8, max_branches=8, sampling=SAMPLING)
+
+    async def go():
+        async with GenerationClient(ClientConfig(endpoints=(srv.url,))) as c:
+            return await run_groups(tasks, env_factory=SokobanEnv, client=c, prompts=prompts, config=cfg,
+                                    scorer=SokobanProgressScorer())
+
+    groups = run(go())
+    assert [g.stats.leaves for g in groups] == [size] * len(tasks)
+    for g in groups:
+        for lf in g.leaves:
+            last = g.tree.get(lf.leaf_id)
+            assert set(last.env_state) >= {"distance", "start_distance", "dead", "success", "boxes"}
+            rewards = [it.reward for it in g.tree.branch(lf.leaf_id)]
+            assert lf.outcome_reward == pytest.approx(sum(rewards))
+            assert (lf.status == "success") == last.env_state["success"]
+    if strategy == "patr":
+        assert all(0 <= s <= 1 for g in groups for c in g.stats.checkpoints for s in c.scores)
+
+
 def test_tree_random_without_refill_size(serve, prompts):
     srv = serve()
     cfg = TreeConfig(strategy="tree_random", b0=4, k=2, m=2, top_k=2, alpha=0.0, theta=None, max_turns=6,

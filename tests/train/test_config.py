@@ -49,7 +49,8 @@ def test_example_configs_load(path, tmp_path):
 def test_expected_example_configs_exist(tmp_path):
     names = {p.name for p in CONFIGS}
     assert {"default.yaml", "default_prm.yaml", "flat_grpo.yaml", "tree_random.yaml",
-            "smollm2_frozenlake.yaml", "external_server.yaml"} <= names
+            "smollm2_frozenlake.yaml", "external_server.yaml", "sokoban.yaml", "smollm2_sokoban.yaml",
+            "agent_sokoban.yaml"} <= names
     assert load_config(ROOT / "configs/default_prm.yaml").prm.active
     progress = load_config(ROOT / "configs/progress_prm.yaml")
     assert progress.prm.active and progress.prm.scorers[0].kwargs == {"mode": "delta"}
@@ -127,6 +128,16 @@ def test_file_then_overrides(tmp_path):
         (["server.kind=external", "server.urls=[http://a:1, ftp://b]"], "server.urls[1]: must start with http://"),
         (["server.batch_window_ms=-1"], "server.batch_window_ms: must be >= 0"),
         (["server.warn_behavior_kl=2"], "server.warn_behavior_kl: must be <= max_behavior_kl (1.0)"),
+        # the environment and what must match it
+        (["env.name=soko"], "env.name: got 'soko'; allowed values: 'frozenlake', 'sokoban'"),
+        (["env.name=sokoban"], "env.size: a Sokoban room is 5 to 10 cells a side, got 4"),
+        (["env.name=sokoban", "env.size=5", "env.boxes=4"], "env.boxes: must be in [1, 3]"),
+        (["env.name=sokoban", "env.size=5"], "rollout.branch_scorer.path: scorers.FrozenLakeProgressScorer reads "
+                                             "frozenlake states, but env.name is sokoban"),
+        (["env.name=sokoban", "env.size=5", "rollout.strategy=flat", "prm.enabled=true", "rollout.export=concat",
+          "prm.scorers=[{path: scorers.FrozenLakeProgressScorer}]"], "prm.scorers[0].path: scorers.FrozenLakeProgressScorer"),
+        (["rollout.source=agent", "rollout.strategy=flat", "agent.workflow=rollout.agents.grid_chat:run",
+          "agent.kwargs={env: sokoban}"], "agent.workflow: rollout.agents.grid_chat:run plays sokoban, but env.name is frozenlake"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
