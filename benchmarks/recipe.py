@@ -1,18 +1,21 @@
 """The main job's learning over seeds: the README default and recipe variants, 3+ seeds each.
 
     python -m benchmarks.recipe [--seeds 0 1 2] [--parallel 3] [--out runs/bench_recipe]
+                                [--config configs/sokoban.yaml]
                                 [--variant NAME=key.sub=value,key.sub=value ...] [--json PATH]
 
-Each run is ``python -m jaxprm.train seed=S`` plus the variant's overrides (``default`` has none:
-the README command), in its own process, ``--parallel`` at a time; a run whose ``summary.json``
+Each run is ``python -m jaxprm.train [--config PATH] seed=S`` plus the variant's overrides
+(``default`` has none: the README command, or the ``--config`` file's recipe), in its own process, ``--parallel`` at a time; a run whose ``summary.json``
 exists is reused (resumable), after checking that its recorded ``config.yaml`` is the one the
 variant asks for. Runs share one warm-start and compile cache (``$HOME/.cache/jaxprm``), so only
 the first run of a seed pays its warm start; learning does not depend on timing except through
 the sampler's dynamic batching (two runs of one seed agree for ~15 steps, then drift).
 
 Prints, per variant and seed, held-out sampled success at each eval, its gain, greedy success and
-pass@k first -> last and the largest train-step invalid-answer rate; then mean ± std of the gain
-over seeds. Writes the same as JSON (``--json``, default ``OUT/results.json``).
+pass@k first -> last and the largest train-step invalid-answer rate; then the gain's mean ± sample
+std over seeds. Per eval it also keeps what the environment's states give (steps over optimal;
+Sokoban's dead-state rate). Writes the same as JSON (``--json``, default ``OUT/results.json``),
+with the commit, command and machine.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _overrides(run_dir: Path, seed: int, extra: list[str]) -> list[str]:
     return [f"seed={seed}", f"run_dir={run_dir}", "progress=false", "plots=false", "export_final=false", *extra]
 
 
-def _check_recorded(run_dir: Path, overrides: list[str]) -> None:
+def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> None:
     """A reused run must have been made with this variant's config (up to the run keys); keys its
     ``config.yaml`` lacks were added after it was made and are noted, not failed."""
     import dataclasses
@@ -61,7 +64,7 @@ def _check_recorded(run_dir: Path, overrides: list[str]) -> None:
             node = node[part]
         return True
 
-    changed = [k for k, _, _ in changed_keys(got, dataclasses.asdict(load_config(None, overrides)))
+    changed = [k for k, _, _ in changed_keys(got, dataclasses.asdict(load_config(config, overrides)))
                if k not in _RUN_KEYS]
     diff = [k for k in changed if recorded(k)]
     if diff:
@@ -70,15 +73,16 @@ def _check_recorded(run_dir: Path, overrides: list[str]) -> None:
         print(f"  note: {run_dir} predates {changed} (reused)", flush=True)
 
 
-def _run(run_dir: Path, seed: int, extra: list[str]) -> float:
+def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) -> float:
     overrides = _overrides(run_dir, seed, extra)
     if (run_dir / "summary.json").is_file():
-        _check_recorded(run_dir, overrides)
+        _check_recorded(run_dir, overrides, config)
         return 0.0
     if run_dir.exists():  # an unfinished run: start it again (the trainer would pick a new directory)
         shutil.rmtree(run_dir)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "jaxprm.train", *overrides], capture_output=True, text=True)
+    head = ["--config", config] if config else []
+    proc = subprocess.run([sys.executable, "-m", "jaxprm.train", *head, *overrides], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
@@ -98,6 +102,10 @@ def summarize(run_dir: Path) -> dict:
         "success": [r["success"] for r in ev],
         "gain_points": 100 * (ev[-1]["success"] - ev[0]["success"]),
         "greedy": [r.get("greedy_success") for r in ev],
+        "dead_rate": [r.get("dead_rate") for r in ev],
+        "greedy_dead_rate": [r.get("greedy_dead_rate") for r in ev],
+        "steps_over_optimal": [r.get("steps_over_optimal") for r in ev],
+        "greedy_steps_over_optimal": [r.get("greedy_steps_over_optimal") for r in ev],
         "pass_at_k": [r.get(pk) for r in ev],
         "max_invalid_rate": max((r.get("invalid_rate", 0.0) for r in tr), default=0.0),
         "entropy": [r.get("entropy") for r in tr],
@@ -113,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=1, help="runs at once (they share the cores)")
     p.add_argument("--out", default="runs/bench_recipe")
     p.add_argument("--json", default=None)
+    p.add_argument("--config", default=None, help="the trainer's --config (default: the embedded default)")
     args = p.parse_args(argv)
     variants = dict(_parse_variant(v) for v in (args.variant or ["default="]))
     out = Path(args.out)
     jobs = [(name, seed) for name in variants for seed in args.seeds]
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        futs = {job: pool.submit(_run, out / job[0] / f"s{job[1]}", job[1], variants[job[0]]) for job in jobs}
+        futs = {job: pool.submit(_run, out / job[0] / f"s{job[1]}", job[1], variants[job[0]], args.config)
+                for job in jobs}
         for (name, seed), f in futs.items():
             secs = f.result()
             if secs:
@@ -135,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['greedy'][0]:>8.3f}>{r['greedy'][-1]:.3f}{r['pass_at_k'][0]:>8.3f}>{r['pass_at_k'][-1]:.3f}"
                   f"{r['max_invalid_rate']:>9.2f}")
         gains = [r["gain_points"] for r in runs.values()]
-        mean, sd = statistics.mean(gains), statistics.pstdev(gains)
-        print(f"{'':<12}{'all':>5}  gain {mean:+.1f} ± {sd:.1f} points (min {min(gains):+.1f}), "
+        mean, sd = statistics.mean(gains), statistics.stdev(gains) if len(gains) > 1 else 0.0
+        print(f"{'':<12}{'all':>5}  gain {mean:+.1f} ± {sd:.1f} (sample std) points (min {min(gains):+.1f}), "
               f"greedy fell on {sum(r['greedy'][-1] < r['greedy'][0] for r in runs.values())} of {len(runs)}")
         results[name] = {"overrides": extra, "seeds": {str(s): r for s, r in runs.items()},
                          "gain_mean": mean, "gain_std": sd, "gain_min": min(gains)}
     path = Path(args.json) if args.json else out / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seeds": args.seeds, "variants": results}, indent=1))
+    from benchmarks.provenance import provenance
+
+    path.write_text(json.dumps({**provenance(), "config": args.config, "seeds": args.seeds, "variants": results,
+                                "std": "sample"}, indent=1))
     print(f"\nwrote {path}")
     return 0
 

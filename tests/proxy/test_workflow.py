@@ -61,6 +61,32 @@ def test_the_example_agent_group_is_scored_from_its_env_states(upstream):
         assert np.allclose(row.process_rewards[turn0], 1.0 if first["success"] else level)
 
 
+def test_the_example_agent_plays_sokoban_through_the_proxy(upstream):
+    """``grid_chat`` with ``env="sokoban"``: a JSON task, each turn scored by Sokoban progress (delta)."""
+    from rollout.agents.grid_chat import run
+    from rollout.envs.sokoban import make_tasks as sokoban_tasks
+    from scorers import SokobanProgressScorer, sokoban_progress_score
+
+    task = sokoban_tasks(5, 1, 0, size=5, boxes=1, max_turns=4)[0][0]
+    as_json = {"room": list(task.room), "max_turns": 4}
+
+    async def go():
+        async with running_proxy(upstream, scorers=[SokobanProgressScorer(mode="delta")]) as srv:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await run_agent_group(srv.proxy, srv.base_url, as_json, "sk", 2, run, http_client=http,
+                                             timeout_s=120, kwargs={"env": "sokoban", "max_tokens": 8,
+                                                                    "invalid_ends_episode": False})
+
+    out = asyncio.run(go())
+    assert out.status == "ok" and out.errors == [] and len(out.export.rows) == 2
+    for row, body in zip(sorted(out.export.rows, key=lambda r: r.session_id), out.results):
+        ids = list(body["rewards"])
+        assert row.outcome_reward == pytest.approx(body["rewards"][ids[-1]])
+        first = body["env_states"][ids[0]]
+        assert {"distance", "start_distance", "dead", "boxes"} <= set(first)
+        assert np.allclose(row.process_rewards[row.turn_ids == 0], sokoban_progress_score(first))
+
+
 def test_a_failed_agent_discards_its_group(upstream):
     task = make_tasks(4, 1, 0, sizes=(4,), max_turns=3)[0][0]
     from rollout.agents.frozenlake_chat import run
