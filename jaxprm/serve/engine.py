@@ -47,6 +47,7 @@ from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import (MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, Completion, SamplingParams, bucket_for,
                                    buckets_up_to, row_key_data)
 from jaxprm.serve.scheduler import Scheduler, Sequence as Seq, Status
+from jaxprm.serve.threads import awaitable
 
 __all__ = ["Engine", "EngineStats", "EngineFuture", "RowDelta", "BatchingEngine", "DEFAULT_KV_CACHE_BYTES"]
 
@@ -286,7 +287,7 @@ class Engine:
         the request in the engine."""
         fut = self.submit(prompts, params, choice_index, on_delta=on_delta)
         try:
-            return await asyncio.wait_for(_awaitable(fut), timeout)
+            return await asyncio.wait_for(awaitable(fut), timeout)
         except BaseException:
             fut.cancel()
             raise
@@ -620,32 +621,3 @@ class Engine:
 
 #: The engine under its former name (the static batching engine it replaced).
 BatchingEngine = Engine
-
-
-def _awaitable(fut: concurrent.futures.Future) -> asyncio.Future:
-    """An asyncio future of the running loop that takes ``fut``'s outcome. Unlike
-    ``asyncio.wrap_future`` it drops the outcome when that loop has closed meanwhile (a server shut
-    down with a request still in the engine): the engine thread must not raise on a dead loop."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def copy(done: concurrent.futures.Future) -> None:
-        if waiter.done():
-            return
-        if done.cancelled():
-            waiter.cancel()
-        elif done.exception() is not None:
-            waiter.set_exception(done.exception())
-        else:
-            waiter.set_result(done.result())
-
-    def relay(done: concurrent.futures.Future) -> None:
-        if loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(copy, done)
-        except RuntimeError:  # closed between the check and the call
-            pass
-
-    fut.add_done_callback(relay)
-    return waiter

@@ -30,6 +30,7 @@ from jaxprm.serve.logprobs import select_logprobs
 from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, Completion, SamplingParams
+from jaxprm.serve.threads import awaitable, post
 from jaxprm.serve.weights import resolve_roots
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
@@ -291,7 +292,7 @@ class Serving:
         """Generate and wait; the request is cancelled in the engine (its KV blocks freed) when the
         client disconnects (``request`` given), on timeout (504) or when the handler is cancelled."""
         fut = self.submit(prompts, params, choices)
-        result = asyncio.wrap_future(fut)
+        result = awaitable(fut)
         watch = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         try:
             done, _ = await asyncio.wait({result} | ({watch} if watch else set()),
@@ -316,10 +317,10 @@ class Serving:
         q: asyncio.Queue = asyncio.Queue()
 
         def on_delta(delta: RowDelta) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, delta)
+            post(loop, q.put_nowait, delta)
 
         fut = self.submit(prompts, params, choices, on_delta=on_delta)
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(q.put_nowait, None))
+        fut.add_done_callback(lambda f: post(loop, q.put_nowait, None))
         timeout = self.config.request_timeout_s
 
         async def deltas():

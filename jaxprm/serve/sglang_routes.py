@@ -33,6 +33,7 @@ from jaxprm.serve.responses import (EVENT_STREAM, ContinueResult, FlushResult, G
                                     UpdateWeightsFailure, UpdateWeightsResult, WeightVersion)
 from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
+from jaxprm.serve.threads import awaitable
 from jaxprm.serve.weights import LOAD_FAILED, check_version_order, parse_version, weights_path
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
 
@@ -201,17 +202,17 @@ def sglang_router(srv: Serving) -> APIRouter:
     @router.post("/pause_generation", response_model=PauseResult, responses=control_errors)
     async def pause_generation(req: PauseGenerationRequest | None = None):
         req = req or PauseGenerationRequest()
-        n = await asyncio.wrap_future(_engine_call(srv.engine.pause, req.mode))
+        n = await awaitable(_engine_call(srv.engine.pause, req.mode))
         return {"success": True, "mode": req.mode, "num_aborted_requests": n}
 
     @router.post("/continue_generation", response_model=ContinueResult, responses=control_errors)
     async def continue_generation():
-        await asyncio.wrap_future(_engine_call(srv.engine.resume))
+        await awaitable(_engine_call(srv.engine.resume))
         return {"success": True}
 
     @router.api_route("/flush_cache", methods=["GET", "POST"], response_model=FlushResult, responses=control_errors)
     async def flush_cache():
-        n = await asyncio.wrap_future(_engine_call(srv.engine.flush_cache))
+        n = await awaitable(_engine_call(srv.engine.flush_cache))
         return {"success": True, "num_flushed_blocks": n}
 
     @router.post("/update_weights_from_disk", response_model=UpdateWeightsResult,
