@@ -22,6 +22,15 @@ def _git(*args: str) -> str:
         return ""
 
 
+def _module(script: str) -> str:
+    """``benchmarks/recipe.py`` (as ``python -m`` sets ``sys.argv[0]``) -> ``benchmarks.recipe``."""
+    path = Path(script).resolve()
+    try:
+        return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    except ValueError:
+        return path.stem
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """``{"commit", "dirty", "command", "machine", "date"}`` for the running benchmark."""
     import jax
@@ -30,7 +39,7 @@ def provenance(argv: list[str] | None = None) -> dict:
     return {
         "commit": _git("rev-parse", "HEAD") or None,
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "command": " ".join(["python", "-m", Path(argv[0]).stem if argv else "?", *argv[1:]]),
+        "command": " ".join(["python", "-m", _module(argv[0]) if argv else "?", *argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
                     "devices": [str(d.device_kind) for d in jax.devices()]},

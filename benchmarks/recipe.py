@@ -114,6 +114,30 @@ def summarize(run_dir: Path) -> dict:
     }
 
 
+_TABLE_METRICS = (("success", "sampled success"), ("greedy", "greedy success"), ("dead_rate", "dead-state rate"),
+                  ("steps_over_optimal", "steps over optimal (solved)"))
+
+
+def markdown_table(variant: dict) -> str:
+    """One variant's held-out metrics at each eval step, mean ± sample std over its seeds (a
+    metric an environment does not record is left out)."""
+    seeds = list(variant["seeds"].values())
+    steps = seeds[0]["eval_steps"]
+    metrics = [(k, label) for k, label in _TABLE_METRICS if any(x is not None for x in seeds[0].get(k, []))]
+    lines = ["| step | " + " | ".join(label for _, label in metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
+    for i, step in enumerate(steps):
+        cells = []
+        for key, _ in metrics:
+            vals = [r[key][i] for r in seeds if r.get(key) and r[key][i] is not None]
+            if not vals:
+                cells.append("-")
+                continue
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            cells.append(f"{statistics.mean(vals):.3f} ± {sd:.3f}")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recipe", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -122,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench_recipe")
     p.add_argument("--json", default=None)
     p.add_argument("--config", default=None, help="the trainer's --config (default: the embedded default)")
+    p.add_argument("--report", default=None, metavar="JSON", help="print the tables of a results JSON and exit")
     args = p.parse_args(argv)
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        for name, variant in data["variants"].items():
+            print(f"{name} ({len(variant['seeds'])} seeds; {data.get('command', '')}; commit {data.get('commit')})\n")
+            print(markdown_table(variant) + "\n")
+        return 0
     variants = dict(_parse_variant(v) for v in (args.variant or ["default="]))
     out = Path(args.out)
     jobs = [(name, seed) for name in variants for seed in args.seeds]
@@ -148,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         mean, sd = statistics.mean(gains), statistics.stdev(gains) if len(gains) > 1 else 0.0
         print(f"{'':<12}{'all':>5}  gain {mean:+.1f} ± {sd:.1f} (sample std) points (min {min(gains):+.1f}), "
               f"greedy fell on {sum(r['greedy'][-1] < r['greedy'][0] for r in runs.values())} of {len(runs)}")
+        print(markdown_table({"seeds": runs}))
         results[name] = {"overrides": extra, "seeds": {str(s): r for s, r in runs.items()},
                          "gain_mean": mean, "gain_std": sd, "gain_min": min(gains)}
     path = Path(args.json) if args.json else out / "results.json"

@@ -45,3 +45,25 @@ def test_benchmark_imports_and_its_help_runs(name, capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def test_the_recipe_table_is_the_mean_and_sample_std_over_seeds():
+    from benchmarks.recipe import markdown_table
+
+    runs = {"seeds": {
+        "0": {"eval_steps": [0, 10], "success": [0.1, 0.3], "greedy": [0.2, 0.4], "dead_rate": [None, None],
+              "steps_over_optimal": [None, 1.0]},
+        "1": {"eval_steps": [0, 10], "success": [0.2, 0.5], "greedy": [0.2, 0.6], "dead_rate": [None, None],
+              "steps_over_optimal": [0.5, 2.0]}}}
+    table = markdown_table(runs).splitlines()
+    assert table[0] == "| step | sampled success | greedy success | steps over optimal (solved) |"  # no dead rate
+    assert table[2] == "| 0 | 0.150 ± 0.071 | 0.200 ± 0.000 | 0.500 ± 0.000 |"  # stdev([0.1, 0.2]) = 0.0707
+    assert table[3] == "| 10 | 0.400 ± 0.141 | 0.500 ± 0.141 | 1.500 ± 0.707 |"
+
+
+def test_provenance_names_the_commit_command_and_machine():
+    from benchmarks.provenance import provenance
+
+    p = provenance([str(ROOT / "benchmarks" / "recipe.py"), "--seeds", "0"])
+    assert p["command"] == "python -m benchmarks.recipe --seeds 0"
+    assert len(p["commit"]) == 40 and p["machine"]["cpus"] >= 1 and p["date"]
