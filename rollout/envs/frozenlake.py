@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.envs.base import ACTIONS, DELTAS as _DELTAS, StepResult, parse_action
+from rollout.envs.base import ACTIONS, DELTAS as _DELTAS, INVALID_ANSWER, GridGame, StepResult, draw_tasks, parse_action
 
 __all__ = [
     "FrozenLakeTask",
@@ -141,7 +141,7 @@ class FrozenLakeTask:
         return next((r, row.index("S")) for r, row in enumerate(self.desc) if "S" in row)
 
 
-class FrozenLakeEnv:
+class FrozenLakeEnv(GridGame):
     """One FrozenLake episode (see the module docstring). ``clone()`` copies the episode state.
 
     ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
@@ -152,39 +152,26 @@ class FrozenLakeEnv:
     """
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, *, invalid_ends_episode: bool = False) -> None:
-        self._system_prompt = system_prompt
-        self.invalid_ends_episode = invalid_ends_episode
-        self.task: FrozenLakeTask | None = None
+        super().__init__(system_prompt, invalid_ends_episode=invalid_ends_episode)
         self._dist: list[list[int]] = []
         self.position = (0, 0)
-        self.turn = 0
-        self.done = False
-        self.start_distance = -1
-
-    def system_prompt(self, task: FrozenLakeTask) -> str | None:
-        return self._system_prompt
 
     async def reset(self, task: FrozenLakeTask) -> str:
-        if not isinstance(task, FrozenLakeTask):
-            raise TypeError(f"task must be a FrozenLakeTask, got {type(task).__name__}")
-        self.task = task
+        self._start(task, FrozenLakeTask)
         self._dist = bfs_distances(task.desc)
         self.position = task.start
-        self.turn = 0
-        self.done = False
         self.start_distance = self._dist[self.position[0]][self.position[1]]
-        return f"{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
+        return self._observation()
 
     def clone(self) -> FrozenLakeEnv:
-        other = FrozenLakeEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode)
-        other.task, other._dist = self.task, self._dist  # immutable / never mutated
-        other.position, other.turn, other.done, other.start_distance = (
-            self.position, self.turn, self.done, self.start_distance)
+        other = self._copy_into(FrozenLakeEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode))
+        other._dist, other.position = self._dist, self.position  # the distances are never mutated
         return other
 
-    def _board(self) -> str:
+    def _observation(self) -> str:
         assert self.task is not None
-        return "Map:\n" + render_map(self.task.desc, self.position)
+        r, c = self.position
+        return f"Map:\n{render_map(self.task.desc, self.position)}\nYou are at row {r}, column {c}. What is your move?"
 
     def optimal_actions(self) -> list[str]:
         """The moves that step onto a shortest hole-free path to the goal (empty from a hole or a
@@ -213,17 +200,12 @@ class FrozenLakeEnv:
         return (r, c), cell == "H", cell == "G"
 
     async def step(self, action_text: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("step() before reset()")
-        if self.done:
-            raise RuntimeError("step() after the episode ended")
-        self.turn += 1
+        self._next_turn()
         action = parse_action(action_text)
         in_hole = success = False
         reward = 0.0
         if action is None:
-            msg = ("Invalid answer. Reply with exactly one move in a fenced block: "
-                   "```Left```, ```Down```, ```Right``` or ```Up```.")
+            msg = INVALID_ANSWER
         else:
             new_pos, in_hole, success = self.move(action)
             bumped = new_pos == self.position
@@ -237,15 +219,7 @@ class FrozenLakeEnv:
                 msg = f"You moved {action} into the edge and stayed in place."
             else:
                 msg = f"You moved {action}."
-        ended_invalid = action is None and self.invalid_ends_episode
-        truncated = not (success or in_hole or ended_invalid) and self.turn >= self.task.max_turns
-        self.done = success or in_hole or ended_invalid or truncated
-        if not self.done:
-            msg += f"\n{self._board()}\nYou are at row {self.position[0]}, column {self.position[1]}. What is your move?"
-        elif truncated:
-            msg += " Out of turns."
-        elif ended_invalid:
-            msg += " The episode is over."
+        msg, truncated = self._end_turn(msg, action, ended=success or in_hole)
         r, c = self.position
         info = {
             "position": [r, c],
@@ -270,34 +244,20 @@ def make_tasks(seed: int, n_train: int, n_eval: int, *, sizes: Sequence[int] = (
     Sizes and frozen probabilities are drawn uniformly from ``sizes`` / ``p_frozen`` per map.
     Deterministic for a given seed.
     """
-    if n_train < 0 or n_eval < 0:
-        raise ValueError(f"n_train={n_train}, n_eval={n_eval}; must be >= 0")
     ps = [p_frozen] if isinstance(p_frozen, (int, float)) else list(p_frozen)
     sizes = list(sizes)
     if not sizes or not ps:
         raise ValueError("sizes and p_frozen must be non-empty")
     rng = np.random.default_rng(seed)
-    seen: set[tuple[str, ...]] = set()
 
-    def draw(n: int, split: str) -> list[FrozenLakeTask]:
-        out: list[FrozenLakeTask] = []
-        tries = 0
-        while len(out) < n:
-            tries += 1
-            if tries > 100 * (n + 10):
-                raise RuntimeError(f"cannot draw {n} distinct {split} maps (sizes={sizes}, p_frozen={ps})")
-            size = int(sizes[rng.integers(len(sizes))])
-            p = float(ps[rng.integers(len(ps))])
-            desc = generate_map(rng, size, p, random_start_goal=random_start_goal)
-            if desc in seen:
-                continue
-            seen.add(desc)
-            out.append(FrozenLakeTask(desc=desc, max_turns=max_turns, task_id=f"{split}-{len(out)}"))
-        return out
+    def generate() -> tuple[str, ...]:
+        size = int(sizes[rng.integers(len(sizes))])
+        p = float(ps[rng.integers(len(ps))])
+        return generate_map(rng, size, p, random_start_goal=random_start_goal)
 
-    eval_tasks = draw(n_eval, "eval")
-    train_tasks = draw(n_train, "train")
-    return train_tasks, eval_tasks
+    return draw_tasks(generate, lambda desc, split, i: FrozenLakeTask(desc=desc, max_turns=max_turns,
+                                                                      task_id=f"{split}-{i}"),
+                      n_train, n_eval, f"maps (sizes={sizes}, p_frozen={ps})")
 
 
 def describe(task: FrozenLakeTask) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.envs.base import ACTIONS, DELTAS, StepResult, parse_action
+from rollout.envs.base import ACTIONS, DELTAS, INVALID_ANSWER, GridGame, StepResult, draw_tasks, parse_action
 from rollout.envs.sokoban_rules import (Layout, State, dead_squares, distance_table, optimal_moves, parse_level,
                                         push, render_level)
 
@@ -86,7 +86,7 @@ class SokobanTask:
         return distance_table(layout).get(start, -1)
 
 
-class SokobanEnv:
+class SokobanEnv(GridGame):
     """One Sokoban episode (see the module docstring). ``clone()`` copies the episode state.
 
     ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
@@ -96,33 +96,24 @@ class SokobanEnv:
     """
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, *, invalid_ends_episode: bool = False) -> None:
-        self._system_prompt = system_prompt
-        self.invalid_ends_episode = invalid_ends_episode
-        self.task: SokobanTask | None = None
+        super().__init__(system_prompt, invalid_ends_episode=invalid_ends_episode)
         self.layout: Layout | None = None
         self.state: State = (0, ())
-        self.turn = 0
-        self.done = False
-        self.start_distance = -1
-
-    def system_prompt(self, task: SokobanTask) -> str | None:
-        return self._system_prompt
 
     async def reset(self, task: SokobanTask) -> str:
-        if not isinstance(task, SokobanTask):
-            raise TypeError(f"task must be a SokobanTask, got {type(task).__name__}")
-        self.task = task
+        self._start(task, SokobanTask)
         self.layout, self.state = parse_level(task.room)
-        self.turn = 0
-        self.done = False
         self.start_distance = self.distance()
-        return f"{self._board()}\nWhat is your move?"
+        return self._observation()
 
     def clone(self) -> SokobanEnv:
-        other = SokobanEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode)
-        other.task, other.layout = self.task, self.layout  # immutable
-        other.state, other.turn, other.done, other.start_distance = self.state, self.turn, self.done, self.start_distance
+        other = self._copy_into(SokobanEnv(self._system_prompt, invalid_ends_episode=self.invalid_ends_episode))
+        other.layout, other.state = self.layout, self.state  # immutable
         return other
+
+    def _observation(self) -> str:
+        assert self.layout is not None
+        return f"Room:\n{render_room(render_level(self.layout, self.state))}\nWhat is your move?"
 
     def distance(self) -> int:
         """The fewest moves left to solve the level from the current state (``-1``: unsolvable)."""
@@ -134,25 +125,17 @@ class SokobanEnv:
         assert self.layout is not None
         return optimal_moves(self.layout, self.state)
 
-    def _board(self) -> str:
-        assert self.layout is not None
-        return "Room:\n" + render_room(render_level(self.layout, self.state))
-
     def _cell(self, cell: int) -> list[int]:
         assert self.layout is not None
         return list(divmod(cell, self.layout.width))
 
     async def step(self, action_text: str) -> StepResult:
-        if self.task is None or self.layout is None:
-            raise RuntimeError("step() before reset()")
-        if self.done:
-            raise RuntimeError("step() after the episode ended")
-        self.turn += 1
+        self._next_turn()
+        assert self.layout is not None
         action = parse_action(action_text)
         reward, targets = STEP_REWARD, set(self.layout.targets)
         if action is None:
-            msg = ("Invalid answer. Reply with exactly one move in a fenced block: "
-                   "```Left```, ```Down```, ```Right``` or ```Up```.")
+            msg = INVALID_ANSWER
         else:
             new, box_from, box_to = push(self.layout, self.state, action)
             if new == self.state:
@@ -168,15 +151,7 @@ class SokobanEnv:
         if success:
             reward += SOLVED_REWARD
             msg += " Every box is on a target: solved."
-        ended_invalid = action is None and self.invalid_ends_episode
-        truncated = not (success or ended_invalid) and self.turn >= self.task.max_turns
-        self.done = success or ended_invalid or truncated
-        if not self.done:
-            msg += f"\n{self._board()}\nWhat is your move?"
-        elif truncated:
-            msg += " Out of turns."
-        elif ended_invalid:
-            msg += " The episode is over."
+        msg, truncated = self._end_turn(msg, action, ended=success)
         distance = self.distance()
         info = {
             "position": self._cell(self.state[0]),
@@ -279,27 +254,10 @@ def make_tasks(seed: int, n_train: int, n_eval: int, *, size: int = 5, boxes: in
                min_distance: int = 2) -> tuple[list[SokobanTask], list[SokobanTask]]:
     """Train and held-out eval levels from ``seed``; no eval level appears in the train list.
     Deterministic for a given seed."""
-    if n_train < 0 or n_eval < 0:
-        raise ValueError(f"n_train={n_train}, n_eval={n_eval}; must be >= 0")
     rng = np.random.default_rng(seed)
-    seen: set[tuple[str, ...]] = set()
-
-    def draw(n: int, split: str) -> list[SokobanTask]:
-        out: list[SokobanTask] = []
-        tries = 0
-        while len(out) < n:
-            tries += 1
-            if tries > 100 * (n + 10):
-                raise RuntimeError(f"cannot draw {n} distinct {split} levels (size={size}, boxes={boxes})")
-            room = generate_level(rng, size, boxes, min_distance=min_distance)
-            if room in seen:
-                continue
-            seen.add(room)
-            out.append(SokobanTask(room=room, max_turns=max_turns, task_id=f"{split}-{len(out)}"))
-        return out
-
-    eval_tasks = draw(n_eval, "eval")
-    return draw(n_train, "train"), eval_tasks
+    return draw_tasks(lambda: generate_level(rng, size, boxes, min_distance=min_distance),
+                      lambda room, split, i: SokobanTask(room=room, max_turns=max_turns, task_id=f"{split}-{i}"),
+                      n_train, n_eval, f"levels (size={size}, boxes={boxes})")
 
 
 def describe(task: SokobanTask) -> dict[str, Any]:
