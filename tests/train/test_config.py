@@ -243,3 +243,12 @@ def test_the_server_section_builds_the_client_and_engine_configs():
     v = s.serve_config(api_key="k")
     assert (v.collect_window_s, v.prefill_chunk, v.max_prefill_tokens, v.window_factor, v.max_batch, v.api_key,
             v.model_name) == (0.02, 128, 512, 2, 16, "k", "jaxprm")
+
+
+def test_env_name_allows_exactly_the_registered_games():
+    import typing
+
+    from jaxprm.train.config import EnvConfig
+    from rollout.envs import ENV_NAMES
+
+    assert typing.get_args(typing.get_type_hints(EnvConfig)["name"]) == ENV_NAMES
