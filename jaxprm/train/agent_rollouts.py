@@ -113,9 +113,8 @@ class AgentRollouts:
         rewards = [r.outcome_reward for r in all_rows]
         stats.update(
             reward=float(np.mean(rewards)) if rewards else 0.0,
-            success=float(np.mean([x > 0 for x in rewards])) if rewards else 0.0,
-            groups_with_success=float(np.mean([any(r.outcome_reward > 0 for r in o.export.rows) for o in ok]))
-            if ok else 0.0,
+            success=float(np.mean([x for o in ok for x in _successes(o)])) if ok else 0.0,
+            groups_with_success=float(np.mean([any(_successes(o)) for o in ok])) if ok else 0.0,
             mixed_groups=float(np.mean([len({r.outcome_reward for r in o.export.rows}) > 1 for o in ok])) if ok else 0.0,
             trajectories=len(all_rows),
             sampled_actions=sum(o.export.records for o in outcomes),
@@ -138,6 +137,20 @@ class AgentRollouts:
         stats["kept_groups"] = len(ok)
         rows = [r.to_row_data(gid) for gid, o in enumerate(ok) for r in o.export.rows]
         return AgentStep(rows=rows, stats=stats, prm_metrics=metrics)
+
+
+def _successes(outcome) -> list[bool]:
+    """Each episode of a group: solved? Read from the ``success`` of the last state its workflow
+    recorded (``env_states``; the grid games record it) where every episode has one, else an outcome
+    reward > 0 (right for FrozenLake's 0/1, wrong for Sokoban's rewards with two boxes, where one
+    box on its target is +1 without a solution)."""
+    states = []
+    for body in outcome.results:
+        recorded = list(((body or {}).get("env_states") or {}).values())
+        states.append(recorded[-1] if recorded else None)
+    if states and all(isinstance(st, dict) and "success" in st for st in states):
+        return [bool(st["success"]) for st in states]
+    return [r.outcome_reward > 0 for r in outcome.export.rows]
 
 
 def _invalid_rate(outcomes) -> float:

@@ -99,3 +99,17 @@ def test_agent_through_the_proxy_learns(tmp_path):
     print(summary.describe())
     assert summary.first_eval is not None and summary.last_eval is not None
     assert summary.last_eval["success"] >= summary.first_eval["success"]
+
+
+def test_an_agent_episode_is_solved_when_its_last_recorded_state_says_so():
+    """Sokoban with two boxes: one box on its target is a positive reward without a solution."""
+    from types import SimpleNamespace
+
+    from jaxprm.train.agent_rollouts import _successes
+
+    rows = [SimpleNamespace(outcome_reward=0.8), SimpleNamespace(outcome_reward=10.5)]
+    recorded = SimpleNamespace(export=SimpleNamespace(rows=rows), results=[
+        {"env_states": {"a": {"success": False}, "b": {"success": False}}}, {"env_states": {"c": {"success": True}}}])
+    assert _successes(recorded) == [False, True]
+    bare = SimpleNamespace(export=SimpleNamespace(rows=rows), results=[{"rewards": {"a": 0.8}}, {"rewards": {"c": 10.5}}])
+    assert _successes(bare) == [True, True]  # no recorded states: outcome reward > 0
