@@ -15,11 +15,12 @@ import re
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Env", "StepResult", "ACTIONS", "DELTAS", "parse_action", "GridGame", "INVALID_ANSWER", "draw_tasks"]
+__all__ = ["Env", "StepResult", "ACTIONS", "DELTAS", "OPPOSITE", "parse_action", "GridGame", "INVALID_ANSWER", "draw_tasks"]
 
 #: The grid games' moves (gymnasium's FrozenLake action ids 0..3) and their (row, column) steps.
 ACTIONS = ("Left", "Down", "Right", "Up")
 DELTAS = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
+OPPOSITE = {"Left": "Right", "Right": "Left", "Up": "Down", "Down": "Up"}
 _FENCE = re.compile(r"```[ \t]*([A-Za-z]+)[ \t]*\n?```")
 _LOOKUP = {a.lower(): a for a in ACTIONS}
 INVALID_ANSWER = "Invalid answer. Reply with exactly one move in a fenced block: ```Left```, ```Down```, ```Right``` or ```Up```."

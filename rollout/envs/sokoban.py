@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.envs.base import ACTIONS, DELTAS, INVALID_ANSWER, GridGame, StepResult, draw_tasks, parse_action
+from rollout.envs.base import ACTIONS, DELTAS, INVALID_ANSWER, OPPOSITE, GridGame, StepResult, draw_tasks, parse_action
 from rollout.envs.sokoban_rules import (Layout, State, dead_squares, distance_table, optimal_moves, parse_level,
                                         push, render_level)
 
@@ -208,7 +208,7 @@ def _reverse_play(rng: np.random.Generator, layout: Layout, player: int, steps: 
         to = layout.step(player, action)
         if not layout.free(to) or to in boxes:
             continue
-        behind = layout.step(player, {"Left": "Right", "Right": "Left", "Up": "Down", "Down": "Up"}[action])
+        behind = layout.step(player, OPPOSITE[action])
         if behind in boxes and rng.random() < 0.5:
             boxes[boxes.index(behind)] = player
             pulls += 1

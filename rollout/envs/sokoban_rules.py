@@ -26,7 +26,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from rollout.envs.base import ACTIONS, DELTAS
+from rollout.envs.base import ACTIONS, DELTAS, OPPOSITE
 
 __all__ = ["Layout", "State", "parse_level", "render_level", "push", "distance_table", "dead_squares",
            "optimal_moves", "solve"]
@@ -121,7 +121,7 @@ def _reverse(layout: Layout, state: State):
     """The states one move before ``state`` (a step back, or a step back pulling the box ahead)."""
     player, boxes = state
     for action in ACTIONS:
-        back = layout.step(player, _OPPOSITE[action])
+        back = layout.step(player, OPPOSITE[action])
         if not layout.free(back) or back in boxes:
             continue
         yield back, boxes  # the move was a plain step from ``back``
@@ -129,8 +129,6 @@ def _reverse(layout: Layout, state: State):
         if ahead in boxes:  # the move pushed the box from ``player`` to ``ahead``
             yield back, tuple(sorted(player if b == ahead else b for b in boxes))
 
-
-_OPPOSITE = {"Left": "Right", "Right": "Left", "Up": "Down", "Down": "Up"}
 
 
 @functools.lru_cache(maxsize=512)
