@@ -13,13 +13,15 @@ already emits valid actions sometimes; this stage gives the tiny model that star
    episodes, length-bucketed so only a few shapes compile.
 
 The result is cached under ``cache_dir/<hash>/params.npz`` keyed by a hash of everything that
-determines it (model, env, warm-start settings), so later runs skip the stage.
+determines it (model, env, warm-start settings, and the demonstrations themselves, made first:
+~1 s), so later runs skip the SFT.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import random
 import time
@@ -156,10 +158,18 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     return params, losses
 
 
-def warm_start_key(key_data: dict[str, Any]) -> str:
-    """The cache key: a hash of everything that determines the warm-started params
-    (``jaxprm.train.adapters.warm_start_key_data``)."""
-    return config_hash(key_data)
+def warm_start_key(key_data: dict[str, Any], demos: list[Demo] | None = None) -> str:
+    """The cache key: a hash of the settings that determine the warm-started params
+    (``jaxprm.train.adapters.warm_start_key_data``) and of the demonstrations' tokens and masks, so
+    a change the settings do not name (an environment's rendering or rewards, a prompt, the
+    tokenizer) misses the cache too."""
+    if demos is None:
+        return config_hash(key_data)
+    h = hashlib.sha256()
+    for d in demos:
+        h.update(np.asarray(d.tokens, np.int64).tobytes())
+        h.update(np.asarray(d.mask, np.float32).tobytes())
+    return config_hash({**key_data, "demos_sha256": h.hexdigest()})
 
 
 def _save_npz(path: Path, params) -> None:
@@ -184,7 +194,11 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
                log=print) -> tuple[Any, dict[str, Any]]:
     """Warm-started params for ``policy`` (cached under :func:`warm_start_key` of ``key_data``) and a
     report dict; ``w`` is the warm-start section (demos, SFT steps, batch size, lr, seed, cache dir)."""
-    key = warm_start_key(key_data)
+    t0 = time.perf_counter()
+    demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed,
+                       env_factory=env_factory, imitate_noise=w.imitate_noise)
+    t_demo = time.perf_counter() - t0
+    key = warm_start_key(key_data, demos)
     cache = Path(w.cache_dir).expanduser() / key
     pfile, rfile = cache / "params.npz", cache / "report.json"
     if pfile.is_file() and rfile.is_file():
@@ -196,10 +210,6 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
             return params, report
         except Exception as e:  # a corrupt cache is rebuilt, not fatal
             log(f"warm start: ignoring unreadable cache {cache}: {e}")
-    t0 = time.perf_counter()
-    demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed,
-                       env_factory=env_factory, imitate_noise=w.imitate_noise)
-    t_demo = time.perf_counter() - t0
     log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
         f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")
     params, losses = sft(policy.apply_fn, policy.params, demos, steps=w.steps, batch_size=w.batch_size, lr=w.lr,

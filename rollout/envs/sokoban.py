@@ -7,11 +7,15 @@ reward of a step is gym-sokoban's: -0.1, +1 for a box pushed onto a target, -1 f
 ``max_turns`` steps. A box pushed into a corner off a target makes the level unsolvable, many turns
 before the episode ends.
 
-The model sees the room one row per line, cells separated by spaces: ``#`` wall, ``_`` floor,
+The model sees the room one row per line, one character a cell (as FrozenLake's map): ``#`` wall, ``_`` floor,
 ``O`` target, ``X`` box, ``*`` box on a target, ``P`` player, ``S`` player on a target (RAGEN's
 symbols, with ``*`` for its non-ASCII box on target). The answer format is FrozenLake's: the move
 in the last fenced block (```` ```Up``` ````); an invalid answer ends the episode (default) or is a
-no-op turn.
+no-op turn. Ending on an invalid answer forfeits the turns left: its reward is the step penalty of
+every remaining turn (``-0.1 * (max_turns - turn + 1)``), so that an episode never pays better for
+ending early than for playing on. (Without it GRPO learned to quit: a failing episode that stops at
+turn 3 costs -0.3 where one that plays out costs -1.0, and the tiny policy's invalid rate rose from
+0.3% to 7% in 10 steps while success fell 13 points.)
 
 After every step ``info`` holds what the progress scorer and the metrics read: ``position``,
 ``boxes`` (cells as ``[row, col]``), ``boxes_on_target``, ``distance`` (the fewest moves left to
@@ -61,8 +65,8 @@ _SYMBOLS = {"#": "#", "_": "_", ".": "O", "$": "X", "*": "*", "@": "P", "+": "S"
 
 
 def render_room(rows: Sequence[str]) -> str:
-    """The model's view of a level's rows: the symbols of the module docstring, space separated."""
-    return "\n".join(" ".join(_SYMBOLS[ch] for ch in row) for row in rows)
+    """The model's view of a level's rows: the symbols of the module docstring, one a cell."""
+    return "\n".join("".join(_SYMBOLS[ch] for ch in row) for row in rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +95,8 @@ class SokobanEnv(GridGame):
 
     ``system_prompt``: the system message (:data:`SYSTEM_PROMPT` by default,
     :data:`COMPACT_SYSTEM_PROMPT` for small policies, ``None`` for none).
-    ``invalid_ends_episode``: an invalid answer ends the episode (its step reward only) instead of
-    being a no-op turn.
+    ``invalid_ends_episode``: an invalid answer ends the episode (charged the step penalty of every turn
+    left) instead of being a no-op turn.
     """
 
     def __init__(self, system_prompt: str | None = SYSTEM_PROMPT, *, invalid_ends_episode: bool = False) -> None:
@@ -136,6 +140,8 @@ class SokobanEnv(GridGame):
         reward, targets = STEP_REWARD, set(self.layout.targets)
         if action is None:
             msg = INVALID_ANSWER
+            if self.invalid_ends_episode:  # the episode ends here: charge every turn it skips
+                reward = STEP_REWARD * (self.task.max_turns - self.turn + 1)
         else:
             new, box_from, box_to = push(self.layout, self.state, action)
             if new == self.state:

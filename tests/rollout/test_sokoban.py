@@ -84,9 +84,13 @@ def test_success_ends_the_episode_with_the_bonus_and_max_turns_truncates():
 
 def test_an_invalid_answer_ends_the_episode_or_is_a_no_op():
     env = SokobanEnv(invalid_ends_episode=True)
-    run(env.reset(SokobanTask(room=("#####", "#@$_.", "#___#"))))
+    run(env.reset(SokobanTask(room=("#####", "#@$_.", "#___#"), max_turns=5)))
+    run(env.step("```Left```"))  # into the wall: a no-op turn
     res = run(env.step("I push right"))
-    assert res.done and not res.info["valid"] and res.reward == pytest.approx(-0.1)
+    # it forfeits turns 2..5: quitting earns exactly what playing on with no-op moves would
+    assert res.done and not res.info["valid"] and res.reward == pytest.approx(-0.4)
+    _, played_on = play(("#####", "#@$_.", "#___#"), ["Left"] * 5, max_turns=5)
+    assert sum(r.reward for r in played_on) == pytest.approx(-0.1 + res.reward)
     env = SokobanEnv(invalid_ends_episode=False)
     run(env.reset(SokobanTask(room=("#####", "#@$_.", "#___#"))))
     res = run(env.step("no fence"))
@@ -103,8 +107,8 @@ def test_a_box_in_a_corner_off_target_is_dead():
 def test_the_observation_uses_the_model_symbols():
     env = SokobanEnv(COMPACT_SYSTEM_PROMPT)
     obs = run(env.reset(SokobanTask(room=("#####", "#@$.#", "#_*_#"), max_turns=3)))
-    assert render_room(("#@$.+*",)) == "# P X O S *"
-    assert "# P X O #" in obs and obs.endswith("What is your move?")
+    assert render_room(("#@$.+*",)) == "#PXOS*"
+    assert "#PXO#" in obs and obs.endswith("What is your move?")
     assert env.system_prompt(None) == COMPACT_SYSTEM_PROMPT
 
 

@@ -47,3 +47,21 @@ def test_random_moves_in_or_out_of_the_loss(tokenizer, imitate_noise):
     assert COMPACT_SYSTEM_PROMPT in tokenizer.decode(demos[0].tokens)
     assert all(len(d.tokens) == len(d.mask) for d in demos)
     assert np.isin(np.concatenate([d.mask for d in demos]), [0.0, 1.0]).all()
+
+
+def test_the_cache_key_follows_the_demonstrations(tokenizer):
+    """Settings the key data does not name (here the system prompt's text) still miss the cache."""
+    from jaxprm.train.warmstart import warm_start_key
+    from rollout.envs.frozenlake import SYSTEM_PROMPT
+
+    train, _ = make_tasks(0, 8, 0, random_start_goal=False)
+
+    def demos(prompt):
+        return make_demos(train, tokenizer, n=8, optimal_prob=0.5, seed=3,
+                          env_factory=functools.partial(FrozenLakeEnv, prompt))
+
+    key_data = {"v": 1, "seed": 0}
+    assert warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT)) == warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT))
+    assert warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT)) != warm_start_key(key_data, demos(SYSTEM_PROMPT))
+    assert warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT)) != warm_start_key({"v": 2, "seed": 0},
+                                                                                   demos(COMPACT_SYSTEM_PROMPT))
