@@ -41,6 +41,16 @@ class Branch:
                        origin=origin, lineage_len=self.lineage_len, score=self.score, h_init=self.h_init,
                        h_now=self.h_now)
 
+    def stop(self, status: str) -> None:
+        """End the branch before its episode ended (pruned, a loop, out of context or of the
+        rollout's turns), charging the env's ``forfeit_reward()`` (what playing out the turns left
+        without progress would cost; 0 for an env without the method), so that being stopped never
+        pays better than playing on: with a per-step penalty (Sokoban) a branch cut at turn 3
+        would otherwise look better than one that failed at the turn limit."""
+        self.status = status
+        forfeit = getattr(self.env, "forfeit_reward", None)
+        self.reward += float(forfeit()) if forfeit is not None else 0.0
+
     def loops(self, theta: int | None) -> bool:
         """Whether the last ``theta`` actions are identical (the theta rule; ``None``: never)."""
         return theta is not None and len(self.actions) >= theta and len(set(map(repr, self.actions[-theta:]))) == 1

@@ -121,7 +121,7 @@ class Checkpoints(Strategy):
     def _stop_loops(self, run: GroupRunner, active: list[Branch]) -> list[Branch]:
         for b in active:
             if b.loops(self.cfg.theta):
-                b.status = "loop"
+                b.stop("loop")
         return run.collect(active)
 
     async def between(self, run: GroupRunner, active: list[Branch], index: int) -> list[Branch]:
@@ -152,7 +152,7 @@ class Checkpoints(Strategy):
         nxt: list[Branch] = []
         for i, b in enumerate(active):
             if i in pruned:
-                b.status = "pruned"
+                b.stop("pruned")
                 run.finished.append(b)
                 continue
             self.snapshots.append((scores[i], len(self.snapshots), b.fork("snapshot", "refill")))

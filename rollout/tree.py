@@ -166,9 +166,9 @@ class _GroupRun:
             else:  # the env ended it: on an invalid answer (info["valid"] False) or otherwise (a hole)
                 b.status = "invalid" if step.info.get("valid") is False else "done"
         elif b.depth >= cfg.max_turns:
-            b.status = "max_turns"
+            b.stop("max_turns")
         elif cfg.theta_at == "turn" and b.loops(cfg.theta):
-            b.status = "loop"
+            b.stop("loop")
         else:
             new_msgs = [{"role": step.role, "content": step.observation}]
             tail = self.prompts.continuation(b.messages, text, new_msgs, resp.output_tokens)
@@ -177,7 +177,7 @@ class _GroupRun:
             b.messages = [*b.messages, {"role": "assistant", "content": text}, *new_msgs]
             b.prompt = new_prompt
             if cfg.max_context_tokens is not None and len(new_prompt) + cfg.sampling.max_tokens > cfg.max_context_tokens:
-                b.status = "context"
+                b.stop("context")
         self.stats.overhead_s += (t1 - t0) + (time.perf_counter() - t2) + gen.client_s
 
     async def _advance(self, b: Branch, turns: int) -> None:

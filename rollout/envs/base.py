@@ -57,6 +57,9 @@ class StepResult:
 
 @runtime_checkable
 class Env(Protocol):
+    """An episode. Optional: ``forfeit_reward() -> float``, the reward charged when a rollout stops
+    the episode before it ended (``rollout.branches.Branch.stop``; 0 when absent)."""
+
     async def reset(self, task: Any) -> str: ...
 
     async def step(self, action_text: str) -> StepResult: ...
@@ -85,6 +88,12 @@ class GridGame:
 
     def system_prompt(self, task: Any) -> str | None:
         return self._system_prompt
+
+    def forfeit_reward(self) -> float:
+        """The reward charged when the episode is stopped now, before it ended (a rollout prunes
+        the branch, stops a loop, runs out of context): what playing out the turns left without
+        progress would earn. 0 here (no step penalty); games with one override it."""
+        return 0.0
 
     def _start(self, task: Any, task_type: type) -> None:
         if not isinstance(task, task_type):

@@ -15,7 +15,8 @@ no-op turn. Ending on an invalid answer forfeits the turns left: its reward is t
 every remaining turn (``-0.1 * (max_turns - turn + 1)``), so that an episode never pays better for
 ending early than for playing on. (Without it GRPO learned to quit: a failing episode that stops at
 turn 3 costs -0.3 where one that plays out costs -1.0, and the tiny policy's invalid rate rose from
-0.3% to 7% in 10 steps while success fell 13 points.)
+0.3% to 7% in 10 steps while success fell 13 points.) A branch the rollout stops early (PaTR
+prunes it, a loop, the context) is charged the same way (:meth:`SokobanEnv.forfeit_reward`).
 
 After every step ``info`` holds what the progress scorer and the metrics read: ``position``,
 ``boxes`` (cells as ``[row, col]``), ``boxes_on_target``, ``distance`` (the fewest moves left to
@@ -119,6 +120,11 @@ class SokobanEnv(GridGame):
         assert self.layout is not None
         return f"Room:\n{render_room(render_level(self.layout, self.state))}\nWhat is your move?"
 
+    def forfeit_reward(self) -> float:
+        """The step penalty of every turn left (``-0.1 * (max_turns - turn)``): what an episode
+        stopped now would have paid playing on without solving the level."""
+        return STEP_REWARD * (self.task.max_turns - self.turn)
+
     def distance(self) -> int:
         """The fewest moves left to solve the level from the current state (``-1``: unsolvable)."""
         assert self.layout is not None
@@ -141,7 +147,7 @@ class SokobanEnv(GridGame):
         if action is None:
             msg = INVALID_ANSWER
             if self.invalid_ends_episode:  # the episode ends here: charge every turn it skips
-                reward = STEP_REWARD * (self.task.max_turns - self.turn + 1)
+                reward += self.forfeit_reward()
         else:
             new, box_from, box_to = push(self.layout, self.state, action)
             if new == self.state:

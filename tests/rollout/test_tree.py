@@ -224,10 +224,33 @@ def test_every_strategy_rolls_out_sokoban(serve, tok, prompts, strategy, size):
             last = g.tree.get(lf.leaf_id)
             assert set(last.env_state) >= {"distance", "start_distance", "dead", "success", "boxes"}
             rewards = [it.reward for it in g.tree.branch(lf.leaf_id)]
-            assert lf.outcome_reward == pytest.approx(sum(rewards))
+            # a branch the rollout stopped pays the step penalty of the turns it did not play
+            stopped = lf.status in ("pruned", "loop", "context")
+            assert lf.outcome_reward == pytest.approx(sum(rewards) - 0.1 * (8 - lf.turns) * stopped)
             assert (lf.status == "success") == last.env_state["success"]
     if strategy == "patr":
         assert all(0 <= s <= 1 for g in groups for c in g.stats.checkpoints for s in c.scores)
+
+
+def test_a_stopped_branch_pays_for_the_turns_it_did_not_play():
+    """Pruned at turn 2 of 6, a Sokoban branch pays -0.1 for each of the 4 turns left (it would
+    otherwise look better than a branch that played on and failed); FrozenLake has no step penalty."""
+    from rollout.branches import Branch
+    from rollout.envs.frozenlake import FrozenLakeEnv, FrozenLakeTask
+    from rollout.envs.sokoban import SokobanEnv, SokobanTask
+
+    env = SokobanEnv()
+    run(env.reset(SokobanTask(room=("#####", "#@$_.", "#___#"), max_turns=6)))
+    rewards = [run(env.step("```Left```")).reward for _ in range(2)]
+    b = Branch(id="b", env=env, messages=[], prompt=[], last_id="t1", depth=2, actions=["Left"] * 2,
+               reward=sum(rewards), origin="root")
+    b.stop("pruned")
+    assert b.status == "pruned" and b.reward == pytest.approx(-0.6)
+    lake = FrozenLakeEnv()
+    run(lake.reset(FrozenLakeTask(desc=("SF", "FG"), max_turns=6)))
+    b = Branch(id="c", env=lake, messages=[], prompt=[], last_id=None, depth=0, actions=[], reward=0.0, origin="root")
+    b.stop("loop")
+    assert b.reward == 0.0
 
 
 def test_tree_random_without_refill_size(serve, prompts):
