@@ -7,9 +7,10 @@ reward of a step is gym-sokoban's: -0.1, +1 for a box pushed onto a target, -1 f
 ``max_turns`` steps. A box pushed into a corner off a target makes the level unsolvable, many turns
 before the episode ends.
 
-The model sees the room one row per line, one character a cell (as FrozenLake's map): ``#`` wall, ``_`` floor,
+The model sees the room one row per line, one character a cell (as FrozenLake's map): ``#`` wall, ``.`` floor,
 ``O`` target, ``X`` box, ``*`` box on a target, ``P`` player, ``S`` player on a target (RAGEN's
-symbols, with ``*`` for its non-ASCII box on target). The answer format is FrozenLake's: the move
+symbols, with ``*`` for its non-ASCII box on target and ``.`` for its ``_`` floor: the tiny
+tokenizer merges ``__`` into one token, so rows with runs of floor no longer had one token a cell). The answer format is FrozenLake's: the move
 in the last fenced block (```` ```Up``` ````); an invalid answer ends the episode (default) or is a
 no-op turn. Ending on an invalid answer forfeits the turns left: its reward is the step penalty of
 every remaining turn (``-0.1 * (max_turns - turn + 1)``), so that an episode never pays better for
@@ -49,7 +50,7 @@ STEP_REWARD, BOX_ON_REWARD, BOX_OFF_REWARD, SOLVED_REWARD = -0.1, 1.0, -1.0, 10.
 MIN_SIZE, MAX_SIZE, MAX_BOXES = 5, 10, 3
 
 SYSTEM_PROMPT = (
-    "You are playing Sokoban on a grid. Symbols: # is a wall, _ is floor, O is a target, X is a box, "
+    "You are playing Sokoban on a grid. Symbols: # is a wall, . is floor, O is a target, X is a box, "
     "* is a box on a target, P is you, S is you standing on a target. Push every box onto a target. "
     "You push a box by walking into it; it moves one cell if the cell behind it is free. You cannot pull "
     "boxes, so a box pushed into a corner that is not a target can never be moved again. "
@@ -58,11 +59,11 @@ SYSTEM_PROMPT = (
 )
 
 COMPACT_SYSTEM_PROMPT = (
-    "Sokoban: push every box X onto a target O; P is you, # wall, _ floor, * box on target. "
+    "Sokoban: push every box X onto a target O; P is you, # wall, . floor, * box on target. "
     "Answer one move: ```Left```, ```Down```, ```Right``` or ```Up```."
 )
 
-_SYMBOLS = {"#": "#", "_": "_", ".": "O", "$": "X", "*": "*", "@": "P", "+": "S"}
+_SYMBOLS = {"#": "#", "_": ".", ".": "O", "$": "X", "*": "*", "@": "P", "+": "S"}
 
 
 def render_room(rows: Sequence[str]) -> str:

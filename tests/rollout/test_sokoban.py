@@ -278,3 +278,12 @@ def test_the_registry_names_both_games_and_reads_tasks_from_json():
         spec.task({"desc": ["SFG"]})
     with pytest.raises(ValueError, match="system_prompt"):
         spec.factory("short")
+
+
+def test_every_cell_is_one_token_for_the_tiny_policy(tiny_tokenizer):
+    """The room's rows keep one token a cell (no symbol pair merges), so a cell's column is its
+    token's offset in the row, as on FrozenLake's map."""
+    tasks, _ = make_tasks(0, 16, 0, size=6, boxes=2)
+    for task in tasks:
+        for line in render_room(task.room).split("\n"):
+            assert len(tiny_tokenizer.encode(line)) == len(line), line
