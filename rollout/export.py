@@ -6,7 +6,10 @@ tokens at ``[len(prompt_j), len(prompt_j) + output_len_j)``; there the row has l
 server's log-probs, turn id ``j`` and the scorers' process rewards (token-aligned); everything else
 (prompt, env/tool text, end-of-turn tokens the client appended) has mask 0, log-prob 0, turn id -1.
 ``jaxprm.learner.batch.pad_rows`` then shifts the per-token fields once to prediction positions and pads
-rows and length to buckets (padding rows have weight 0).
+rows and length to buckets (padding rows have weight 0). Per turn the row also carries the tree
+structure the tree-credit estimators read (``jaxprm.learner.tree_credit``): the interaction id
+(rows that share a turn share it), the state the turn started from (``env_state["state"]``) and
+the turn's reward.
 
 ``export_groups_packed`` (``rollout.export: tree_packed``) returns the same flat batch plus a
 ``jaxprm.PackedBatch``: each group's rows merged into one token trie, so a turn shared by several
@@ -17,6 +20,7 @@ prompt.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -86,8 +90,21 @@ def leaf_row(tree: InteractionTree, leaf: LeafRecord, group_id: int, *,
             if pr.shape[0] != n:
                 raise ValueError(f"process rewards for {it.id!r} have length {pr.shape[0]}, output_len is {n}")
             proc[s:s + n] = pr
+    turn_rewards = np.array([it.reward for it in branch], np.float32)
+    turn_rewards[-1] += float(leaf.outcome_reward) - float(turn_rewards.sum())  # e.g. a pruned branch's forfeit
     return RowData(tokens=tokens, loss_mask=mask, logprobs=logprobs, outcome_reward=float(leaf.outcome_reward),
-                   group_id=group_id, process_rewards=proc, turn_ids=turn_ids, truncated=bool(leaf.truncated))
+                   group_id=group_id, process_rewards=proc, turn_ids=turn_ids, truncated=bool(leaf.truncated),
+                   turn_nodes=[it.id for it in branch], turn_states=_start_states(branch), turn_rewards=turn_rewards)
+
+
+def _start_states(branch) -> list[str | None]:
+    """Per turn, a key of the state it started from: the task's start for the first turn, then the
+    previous step's ``env_state["state"]`` (``None`` where the env does not report one)."""
+    keys: list[str | None] = ["start"]
+    for it in branch[:-1]:
+        state = (it.env_state or {}).get("state")
+        keys.append(None if state is None else json.dumps(state, sort_keys=True))
+    return keys
 
 
 def group_rows(group: GroupResult, group_id: int) -> list[RowData]:

@@ -14,7 +14,7 @@ normally the padded row count, so that group reductions have a fixed segment cou
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ __all__ = ["Batch", "RowData", "bucket_size", "pad_rows", "DEFAULT_ROW_BUCKETS",
 
 DEFAULT_ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_LEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+TURN_BUCKETS = (4, 8, 16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,12 @@ class Batch:
       seq_lens: ``int32 [B]`` number of real tokens in the row (``tokens[b, :seq_lens[b]]``).
       truncated: ``bool [B]`` the row ended by hitting a length limit rather than EOS.
       row_weights: ``float32 [B]`` 1 for real rows, 0 for padding rows.
+      turn_nodes: optional ``int32 [B, D]``: the tree node of turn ``d`` of row ``b`` (-1: none),
+        shared by the rows that share the turn, unique across groups (``jaxprm.learner.tree_credit``).
+      turn_states: optional ``int32 [B, D]``: the id of the environment state turn ``d`` started
+        from (equal ids: the same state in the same group; -1: unknown).
+      turn_rewards: optional ``float32 [B, D]``: the environment's reward of turn ``d`` (raw); the
+        last turn's also holds what the leaf's outcome adds beyond the turns' sum (a forfeit).
       num_groups: static upper bound on the number of groups.
     """
 
@@ -61,6 +68,9 @@ class Batch:
     seq_lens: jax.Array
     truncated: jax.Array
     row_weights: jax.Array
+    turn_nodes: jax.Array | None = None
+    turn_states: jax.Array | None = None
+    turn_rewards: jax.Array | None = None
     num_groups: int = dataclasses.field(default=1, metadata={"static": True})
 
     @property
@@ -93,6 +103,11 @@ class RowData:
     turn_ids: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None  # already in prediction positions, [L]
     truncated: bool = False
+    # per turn (``turn_ids`` indexes them): a hashable node key (shared turns share it), the key
+    # of the state the turn started from (compared within the row's group) and the turn's reward
+    turn_nodes: Sequence[Hashable] | None = None
+    turn_states: Sequence[Hashable | None] | None = None
+    turn_rewards: np.ndarray | None = None
 
 
 def bucket_size(n: int, buckets: Sequence[int]) -> int:
@@ -184,5 +199,33 @@ def pad_rows(
         seq_lens=jnp.asarray(seq_lens),
         truncated=jnp.asarray(truncated),
         row_weights=jnp.asarray(weights),
+        **_turn_arrays(rows, B),
         num_groups=B,
     )
+
+
+def _turn_arrays(rows: Sequence[RowData], B: int) -> dict[str, jax.Array]:
+    """``turn_nodes`` / ``turn_states`` / ``turn_rewards`` ``[B, D]`` (``D`` bucketed by
+    :data:`TURN_BUCKETS`) when every row carries its turns' node keys; else nothing. Node keys
+    become ids in order of first appearance; state keys are ids of ``(group, key)``."""
+    if not rows or any(r.turn_nodes is None for r in rows):
+        return {}
+    D = bucket_size(max(max(len(r.turn_nodes) for r in rows), 1), TURN_BUCKETS)
+    nodes = np.full((B, D), -1, np.int32)
+    states = np.full((B, D), -1, np.int32)
+    rewards = np.zeros((B, D), np.float32)
+    node_ids: dict[Hashable, int] = {}
+    state_ids: dict[Hashable, int] = {}
+    for i, r in enumerate(rows):
+        n = len(r.turn_nodes)
+        nodes[i, :n] = [node_ids.setdefault(k, len(node_ids)) for k in r.turn_nodes]
+        if r.turn_states is not None:
+            if len(r.turn_states) != n:
+                raise ValueError(f"row {i}: turn_states has {len(r.turn_states)} turns, turn_nodes has {n}")
+            states[i, :n] = [-1 if k is None else state_ids.setdefault((r.group_id, k), len(state_ids))
+                             for k in r.turn_states]
+        if r.turn_rewards is not None:
+            if len(r.turn_rewards) != n:
+                raise ValueError(f"row {i}: turn_rewards has {len(r.turn_rewards)} turns, turn_nodes has {n}")
+            rewards[i, :n] = r.turn_rewards
+    return {"turn_nodes": jnp.asarray(nodes), "turn_states": jnp.asarray(states), "turn_rewards": jnp.asarray(rewards)}

@@ -98,7 +98,9 @@ def policy_loss(
       logprobs: ``[B, T]`` current policy log-probs (prediction positions).
       old_logprobs: ``[B, T]`` behaviour log-probs.
       advantages: ``[B, T]``.
-      mask: ``[B, T]`` loss mask.
+      mask: ``[B, T]`` loss mask: 0/1, or non-negative per-token weights, which weight each
+        token's term and count (``tree_value``'s ``1 / leaves`` on a shared turn's flat copies, so
+        that the loss equals the packed tree's, where the turn appears once).
     Returns:
       ``(loss, metrics)``: scalar loss; metrics with ``clip_fraction``, ``dual_clip_fraction``,
       ``approx_kl`` (k3, token mean), ``ratio_mean``, ``n_valid_tokens``, ``loss_sum``,
@@ -115,10 +117,11 @@ def policy_loss(
 def _aggregate(t: PolicyLossTerms, pg_loss: jax.Array, mask: jax.Array, agg: str):
     """``(loss, metrics)`` of the per-token losses ``pg_loss [B, T]`` under ``agg`` (see
     ``policy_loss``), with the clip / KL / ratio sums of ``t``."""
-    m = (jnp.asarray(mask) > 0).astype(pg_loss.dtype)
+    mask = jnp.asarray(mask).astype(pg_loss.dtype)
+    m = jnp.where(mask > 0, mask, 0.0)  # 0/1, or per-token weights (a tree's shared copies: 1 / leaves)
     n_valid = jnp.sum(m)
     row_cnt = jnp.sum(m, axis=1)
-    row_sum = jnp.sum(pg_loss, axis=1)
+    row_sum = jnp.sum(pg_loss * m, axis=1)
     if agg == "token-mean":
         loss_sum, loss_count = jnp.sum(row_sum), n_valid
     else:
@@ -128,10 +131,10 @@ def _aggregate(t: PolicyLossTerms, pg_loss: jax.Array, mask: jax.Array, agg: str
         loss_count = jnp.sum(has.astype(pg_loss.dtype))
     loss = loss_sum / jnp.maximum(loss_count, 1.0)
     sums = {
-        "clip_sum": jnp.sum(t.clip_mask.astype(m.dtype)),
-        "dual_clip_sum": jnp.sum(t.dual_clip_mask.astype(m.dtype)),
-        "approx_kl_sum": jnp.sum(t.approx_kl),
-        "ratio_sum": jax.lax.stop_gradient(jnp.sum(t.ratio)),
+        "clip_sum": jnp.sum(t.clip_mask.astype(m.dtype) * m),
+        "dual_clip_sum": jnp.sum(t.dual_clip_mask.astype(m.dtype) * m),
+        "approx_kl_sum": jnp.sum(t.approx_kl * m),
+        "ratio_sum": jax.lax.stop_gradient(jnp.sum(t.ratio * m)),
     }
     return loss, loss_metrics(loss_sum, loss_count, n_valid, sums)
 

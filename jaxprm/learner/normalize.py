@@ -33,6 +33,7 @@ def normalize(
     unbiased: bool = True,
     eps: float = 1e-5,
     row_weights: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
 ) -> jax.Array:
     """Masked normalization ``(x - mean) * mask / (std + eps)``.
 
@@ -51,6 +52,9 @@ def normalize(
       num_groups: static number of group segments (defaults to ``B``).
       row_weights: optional ``[B]``; rows of weight 0 (batch padding) are left out of the group row
         count used by the single-row rule. Their elements should also be masked.
+      token_weights: optional ``[B, T]`` weights of the active elements in the mean, the std and
+        the element counts (a tree's shared copies: ``1 / leaves``, so a shared turn counts once);
+        default 1.
     Returns:
       ``[B, T]`` in the floating dtype of ``x`` (float32 at least).
     """
@@ -63,9 +67,12 @@ def normalize(
         return normalize(
             jnp.asarray(x)[:, None], jnp.asarray(mask)[:, None], group_ids=group_ids, num_groups=num_groups,
             mean_level=mean_level, std_level=std_level, unbiased=unbiased, eps=eps, row_weights=row_weights,
+            token_weights=None if token_weights is None else jnp.asarray(token_weights)[:, None],
         )[:, 0]
     check_rank("x", x, 2)
     check_same_shape(x=x, mask=mask)
+    if token_weights is not None:
+        check_same_shape(x=x, token_weights=token_weights)
     check_float("x", x)
     dtype = jnp.result_type(x, jnp.float32)
     x = jnp.asarray(x, dtype)
@@ -81,8 +88,9 @@ def normalize(
         n_seg = B if num_groups is None else int(num_groups)
         gid = jnp.asarray(group_ids, jnp.int32)
 
-    row_sum = jnp.sum(x * m, axis=1)
-    row_cnt = jnp.sum(m, axis=1)
+    tw = m if token_weights is None else m * jnp.asarray(token_weights, dtype)
+    row_sum = jnp.sum(x * tw, axis=1)
+    row_cnt = jnp.sum(tw, axis=1)
 
     # Mean per row.
     if mean_level is None:
@@ -102,7 +110,8 @@ def normalize(
         std_row = jnp.ones((B,), dtype)
         eps_eff = 0.0
     else:
-        sq_row = jnp.sum(centered * centered, axis=1)
+        sq_row = jnp.sum(centered * centered, axis=1) if token_weights is None else \
+            jnp.sum(centered * centered * jnp.asarray(token_weights, dtype), axis=1)
         ddof = 1.0 if unbiased else 0.0
         if std_level == "batch":
             n = jnp.sum(row_cnt)

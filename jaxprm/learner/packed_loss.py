@@ -58,7 +58,8 @@ def pack_advantages(
 ) -> PackedAdvantages:
     """Reduce flat per-(row, position) advantages onto the packed tokens.
 
-    With ``m`` the flat mask (``[B, T]``, e.g. ``loss_mask * row_weights``) and ``w_b`` = 1, or
+    With ``m`` the flat mask (``[B, T]``, e.g. ``loss_mask * row_weights``, or per-token weights
+    as ``jaxprm.policy_loss`` takes them) and ``w_b`` = 1, or
     ``1 / sum_t m[b, t]`` for ``agg="seq-mean-token-mean"``: ``pos[j] = sum_{(b, t) -> j} m w_b
     max(A, 0)``, ``neg`` likewise with ``max(-A, 0)``, ``count[j] = sum m``, ``n_pos``/``n_neg``
     the pairs with ``A > 0``/``A < 0``, ``row_leaves[r]`` the flat rows with an active entry
@@ -70,7 +71,8 @@ def pack_advantages(
     R, L = packed.tokens.shape
     dt = jnp.result_type(advantages, jnp.float32)
     A = jax.lax.stop_gradient(jnp.asarray(advantages, dt))
-    m = ((jnp.asarray(mask) > 0) & (packed.flat_index >= 0)).astype(dt)
+    m = jnp.asarray(mask, dt)
+    m = jnp.where((m > 0) & (packed.flat_index >= 0), m, 0.0)  # 0/1 or per-token weights
     n_row = jnp.sum(m, axis=1)
     w = 1.0 / jnp.maximum(n_row, 1.0) if agg == "seq-mean-token-mean" else jnp.ones_like(n_row)
     seg = jnp.where(m > 0, packed.flat_index, R * L).reshape(-1)

@@ -115,7 +115,7 @@ class Learner:
         """One update from a padded batch: reference log-probs, advantages, the flat PPO step."""
         batch = self._with_reference(batch, use_packed=False, packed=None)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
-        data = step_inputs(batch, adv.advantages)
+        data = step_inputs(batch, adv.advantages, adv.loss_weights)
         if self.cfg.ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
             data["proximal_logprobs"] = self._flat_logprobs(self.state.params, batch)
         self.state, m = self.flat_step(self.state, data, self._key(step))
@@ -135,7 +135,7 @@ class Learner:
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         key = self._key(step)
         if use_packed:
-            inputs = packed_step_inputs(packed, batch, adv.advantages, agg=ppo.agg)
+            inputs = packed_step_inputs(packed, batch, adv.advantages, agg=ppo.agg, loss_weights=adv.loss_weights)
             if ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
                 inputs["proximal_logprobs"] = packed_reference_logprobs(
                     self.policy.apply_fn, self.state.params, packed, self.on_mesh)
@@ -146,7 +146,7 @@ class Learner:
                 precompile_neighbours(self.precompiler, self.packed_step, self.state, inputs, key,
                                       packed_row_buckets(self.row_multiple), ppo.len_buckets)
         else:
-            data = step_inputs(batch, adv.advantages)
+            data = step_inputs(batch, adv.advantages, adv.loss_weights)
             if ppo.decoupled:
                 data["proximal_logprobs"] = self._flat_logprobs(self.state.params, batch)
             self.state, m = self.flat_step(self.state, data, key)

@@ -43,10 +43,12 @@ MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on t
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
 
 
-def packed_step_inputs(packed: PackedBatch, batch, advantages: jax.Array, *, agg: str) -> dict[str, jax.Array]:
+def packed_step_inputs(packed: PackedBatch, batch, advantages: jax.Array, *, agg: str,
+                       loss_weights: jax.Array | None = None) -> dict[str, jax.Array]:
     """The arrays ``PackedTrainStep`` reads: the packed layout plus ``pack_advantages`` of the flat
-    ``advantages [B, T]`` (masked by the flat batch's ``loss_mask * row_weights``)."""
-    mask = batch.loss_mask * batch.row_weights[:, None]
+    ``advantages [B, T]`` (masked by the flat batch's ``loss_mask * row_weights``, or by
+    ``loss_weights * row_weights`` when given: ``Advantages.loss_weights``)."""
+    mask = (batch.loss_mask if loss_weights is None else loss_weights) * batch.row_weights[:, None]
     pa = pack_advantages(advantages, mask, packed, agg=agg)
     pa = jax.tree.map(lambda x: x * packed.row_weights.reshape((-1,) + (1,) * (x.ndim - 1)), pa)
     return {

@@ -118,11 +118,13 @@ def shard_params(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(x, fsdp)), tree)
 
 
-def step_inputs(batch, advantages) -> dict[str, jax.Array]:
-    """The arrays the train step reads from a ``jaxprm.Batch`` plus advantages ``[B, T]``."""
+def step_inputs(batch, advantages, loss_weights=None) -> dict[str, jax.Array]:
+    """The arrays the train step reads from a ``jaxprm.Batch`` plus advantages ``[B, T]``;
+    ``loss_weights`` (``Advantages.loss_weights``) replaces the batch's loss mask when given."""
+    mask = batch.loss_mask if loss_weights is None else loss_weights
     return {
         "tokens": batch.tokens,
-        "loss_mask": batch.loss_mask * batch.row_weights[:, None],
+        "loss_mask": mask * batch.row_weights[:, None],
         "old_logprobs": batch.old_logprobs,
         "advantages": advantages.astype(jnp.float32),
         "row_weights": batch.row_weights,

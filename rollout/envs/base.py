@@ -58,7 +58,9 @@ class StepResult:
 @runtime_checkable
 class Env(Protocol):
     """An episode. Optional: ``forfeit_reward() -> float``, the reward charged when a rollout stops
-    the episode before it ended (``rollout.branches.Branch.stop``; 0 when absent)."""
+    the episode before it ended (``rollout.branches.Branch.stop``; 0 when absent); ``info["state"]``
+    of a step, a JSON value that identifies the state it reached (turns that start from equal
+    states form an anchor-state step group; without it a turn has no step group)."""
 
     async def reset(self, task: Any) -> str: ...
 

@@ -232,6 +232,7 @@ class FrozenLakeEnv(GridGame):
             "valid": action is not None,
             "truncated": truncated,
             "turn": self.turn,
+            "state": [r, c],  # what identifies the state (anchor-state step groups)
         }
         return StepResult(observation=msg, reward=reward, done=self.done, info=info)
 

@@ -179,6 +179,7 @@ class SokobanEnv(GridGame):
             "valid": action is not None,
             "truncated": truncated,
             "turn": self.turn,
+            "state": [self.state[0], sorted(self.state[1])],  # what identifies the state (anchor-state step groups)
         }
         return StepResult(observation=msg, reward=round(reward, 6), done=self.done, info=info)
 

@@ -1,6 +1,6 @@
 """Random tree groups as flat token-aligned rows (what ``rollout.export.group_rows`` produces):
 each tree node is one turn (env/prompt tokens with mask 0, then generated tokens with mask 1 and
-log-probs), and every leaf is one row. Used by the packing tests and ``benchmarks.learner``."""
+log-probs, and a node key shared by the rows that share the turn), and every leaf is one row. Used by the packing tests and ``benchmarks.learner``."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def random_tree_rows(rng: np.random.Generator, *, group_id: int, leaves: int, tu
             turns_of = list(src[:keep])
         else:
             p = prompt if shared_prompt else rng.integers(1, vocab, rng.integers(*prompt_len))
-            turns_of = [(p, np.zeros(len(p), np.float32), np.zeros(len(p), np.float32))]
+            turns_of = [(p, np.zeros(len(p), np.float32), np.zeros(len(p), np.float32), None)]
         while len(turns_of) < turns + 1:
             env = rng.integers(1, vocab, rng.integers(0, 3))
             gen = rng.integers(1, vocab, rng.integers(*turn_len))
             toks = np.concatenate([env, gen])
             mask = np.concatenate([np.zeros(len(env)), np.ones(len(gen))]).astype(np.float32)
             lp = np.where(mask > 0, -rng.random(len(toks)) * 3, 0.0).astype(np.float32)
-            turns_of.append((toks, mask, lp))
+            turns_of.append((toks, mask, lp, (group_id, len(made), len(turns_of))))  # a node key
         made.append(turns_of)
         tokens = np.concatenate([t[0] for t in turns_of]).astype(np.int32)
         rows.append(RowData(tokens=tokens, loss_mask=np.concatenate([t[1] for t in turns_of]),
@@ -40,7 +40,9 @@ def random_tree_rows(rng: np.random.Generator, *, group_id: int, leaves: int, tu
                             outcome_reward=float(rng.random() < 0.5), group_id=group_id,
                             process_rewards=np.where(np.concatenate([t[1] for t in turns_of]) > 0,
                                                      -(rng.random(len(tokens)) < 0.3).astype(np.float32), 0.0),
-                            turn_ids=np.concatenate([np.where(t[1] > 0, j - 1, -1) for j, t in enumerate(turns_of)]).astype(np.int32)))
+                            turn_ids=np.concatenate([np.where(t[1] > 0, j - 1, -1) for j, t in enumerate(turns_of)]).astype(np.int32),
+                            turn_nodes=[t[3] for t in turns_of[1:]], turn_states=[None] * turns,
+                            turn_rewards=np.zeros(turns, np.float32)))
     return rows
 
 

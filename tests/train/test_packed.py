@@ -66,6 +66,36 @@ def test_packed_update_equals_flat_update(agg, entropy_coef):
         np.testing.assert_allclose(step_pack, step_flat, rtol=1e-4, atol=1e-4 * max(np.abs(step_flat).max(), 1e-6))
 
 
+@pytest.mark.parametrize("estimator", ["tree_value", "sibling"])
+def test_tree_credit_packed_update_equals_flat_update(estimator):
+    """Under tree_value a shared turn's flat copies carry 1 / leaves in the loss: the flat update
+    equals the packed one, where the turn appears once (and sibling's leaf counting too)."""
+    policy = Policy(toy_transformer(seed=3))
+    flat, packed, _ = _batches(5)
+    assert int(flat.seq_lens.sum()) > int(packed.lengths.sum())  # the trees do share turns
+    adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True, estimator=estimator))
+    if estimator == "tree_value":
+        w = np.asarray(adv.loss_weights)[np.asarray(flat.loss_mask) > 0]
+        assert w.min() < 1 and w.max() == 1
+    loss_kw = {"eps_clip": 0.05, "eps_clip_higher": 0.08, "agg": "token-mean"}
+    flat_step = TrainStep(policy.apply_fn, optax.sgd(1.0), jaxprm.policy_loss, loss_kwargs=loss_kw, microbatch_rows=4)
+    packed_step = PackedTrainStep.like(flat_step)
+    fd = step_inputs(flat, adv.advantages, adv.loss_weights)
+    rng = np.random.default_rng(0)
+    noise = jnp.asarray(rng.normal(size=packed.shape) * 0.1, jnp.float32) * packed.loss_mask
+    packed = packed.replace(old_logprobs=packed.old_logprobs + noise)
+    fd["old_logprobs"] = jaxprm.learner.gather_to_flat(packed.old_logprobs, packed.flat_index) * (fd["loss_mask"] > 0)
+    pd = packed_step_inputs(packed, flat, adv.advantages, agg="token-mean", loss_weights=adv.loss_weights)
+    s_flat, m_flat = flat_step(flat_step.init_state(policy.params), fd, jax.random.key(0))
+    s_pack, m_pack = packed_step(packed_step.init_state(policy.params), pd, jax.random.key(0))
+    for k in ("loss", "clip_fraction", "approx_kl", "trained_tokens", "grad_norm"):
+        np.testing.assert_allclose(float(m_pack[k]), float(m_flat[k]), rtol=2e-5, atol=1e-6, err_msg=k)
+    if estimator == "tree_value":  # each packed token once: the weighted count is the packed count
+        assert float(m_flat["trained_tokens"]) == pytest.approx(float(packed.loss_mask.sum()))
+    for a, b in zip(jax.tree.leaves(s_flat.params), jax.tree.leaves(s_pack.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
 def _decoupled_inputs(policy, seed=4, agg="token-mean"):
     """Flat and packed step inputs whose behaviour log-probs are off the policy and whose proximal
     log-probs are off both (the same per packed token in the two layouts)."""
