@@ -297,6 +297,9 @@ def validate_agent(cfg: TrainConfig) -> None:
     _check(cfg.rollout.strategy == "flat", "rollout.strategy",
            f"rollout.source 'agent' runs flat groups (group_size sessions per task); got {cfg.rollout.strategy!r} "
            "(allowed: 'flat'; PaTR and tree_random fork environment states and stay on rollout.source 'tree')")
+    _check(cfg.advantage.estimator == "leaf_grpo", "advantage.estimator",
+           f"rollout.source 'agent' exports rows without their turns' tree and states; got "
+           f"{cfg.advantage.estimator!r} (allowed: 'leaf_grpo')")
     played = {"rollout.agents.frozenlake_chat:run": "frozenlake",  # the shipped example agents' game
               "rollout.agents.grid_chat:run": ag.kwargs.get("env", "frozenlake")}.get(ag.workflow)
     _check(played in (None, cfg.env.name), "agent.workflow",

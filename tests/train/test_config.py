@@ -138,6 +138,13 @@ def test_file_then_overrides(tmp_path):
           "prm.scorers=[{path: scorers.FrozenLakeProgressScorer}]"], "prm.scorers[0].path: scorers.FrozenLakeProgressScorer"),
         (["rollout.source=agent", "rollout.strategy=flat", "agent.workflow=rollout.agents.grid_chat:run",
           "agent.kwargs={env: sokoban}"], "agent.workflow: rollout.agents.grid_chat:run plays sokoban, but env.name is frozenlake"),
+        # tree credit
+        (["advantage.estimator=tree"], "advantage.estimator: got 'tree'; allowed values: 'leaf_grpo', 'tree_value', "
+                                       "'sibling', 'anchor_state'; did you mean 'tree_value'?"),
+        (["advantage.anchor_gamma=1.5"], "advantage.anchor_gamma: must be in [0, 1]"),
+        (["advantage.anchor_weight=-1"], "advantage.anchor_weight: must be a finite number >= 0"),
+        (["rollout.source=agent", "rollout.strategy=flat", "advantage.estimator=anchor_state"],
+         "advantage.estimator: rollout.source 'agent' exports rows without their turns' tree"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):

@@ -59,3 +59,13 @@ def test_a_dapo_token_cap_stops_the_rounds_once_it_is_spent(tmp_path):
     assert row["dynamic_rounds"] == 1  # the first round always runs; it spends the cap
     assert row["trajectories"] == 3 * 4
     assert row["dynamic_token_capped"] == float(row["kept_groups"] < 3)
+
+
+@pytest.mark.parametrize("estimator", ["tree_value", pytest.param("sibling", marks=pytest.mark.slow),
+                                       pytest.param("anchor_state", marks=pytest.mark.slow)])
+def test_a_tree_credit_estimator_trains_from_patr_trees(tmp_path, estimator):
+    """PaTR trees through the packed step with each tree estimator: the rows carry their turns and
+    the step trains (under tree_value a shared turn counts once: fewer trained tokens than rows)."""
+    row = _row("configs/default.yaml", tmp_path, f"advantage.estimator={estimator}", "rollout.temperature=2.0")
+    assert row["updates"] >= 1 and row["trained_tokens"] > 0
+    assert row["adv_abs_mean"] > 0 or row["mixed_groups"] == 0
