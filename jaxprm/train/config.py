@@ -367,6 +367,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ev = cfg.eval
     _positive(ev, "eval", "every_steps", "num_tasks", "samples", "temperature")
     _check(ev.num_tasks <= e.eval_tasks, "eval.num_tasks", f"must be <= env.eval_tasks ({e.eval_tasks})")
+    _check(cfg.token_budget is None or cfg.token_budget > 0, "token_budget", f"must be > 0, got {cfg.token_budget}")
+    if ev.token_fractions is not None:
+        _check(cfg.token_budget is not None, "eval.token_fractions", "needs token_budget (fractions of what?)")
+        _check(len(ev.token_fractions) > 0 and all(0 < f <= 1 for f in ev.token_fractions), "eval.token_fractions",
+               f"must be a non-empty list of numbers in (0, 1], got {ev.token_fractions}")
     _positive(cfg.checkpoint, "checkpoint", "every_steps", "keep")
     m = cfg.mesh
     for n in ("data", "fsdp"):

@@ -205,6 +205,9 @@ class _Job:
                      "groups sampled by older weights; ppo.decoupled=true corrects for it")
         rows = read_metrics(self.run_dir / "metrics.jsonl")
         self.history = [r for r in rows if r.get("kind") == "eval"]
+        # the train rollouts' sampled tokens so far (token_budget; a resume counts the kept rows)
+        self.sampled_tokens = sum(int(r.get("generated_tokens", 0)) for r in rows if r.get("kind") == "train")
+        self.last_step = self.start_step
         if restore_step is None and self.warm_report and not any(r.get("kind") == "warm_start" for r in rows):
             self.metrics.log(0, "warm_start", {k: v for k, v in self.warm_report.items()
                                                 if isinstance(v, (int, float, bool))})
@@ -214,6 +217,13 @@ class _Job:
             self.log(f"resume config recorded in {path.relative_to(self.run_dir)} ({what})")
 
     # -- pieces of a run -------------------------------------------------------------------------
+    def _eval_due(self, step: int, before: int) -> bool:
+        """Whether the step that took the sampled tokens from ``before`` to now is an eval step."""
+        cfg = self.cfg
+        if cfg.eval.token_fractions is not None:
+            return any(before < f * cfg.token_budget <= self.sampled_tokens for f in cfg.eval.token_fractions)
+        return step % cfg.eval.every_steps == 0
+
     async def run_eval(self, step: int) -> dict[str, float]:
         with self.times.phase("eval") as span:
             settings = adapters.eval_settings(self.cfg, max_context=self.gen.max_context)
@@ -235,6 +245,7 @@ class _Job:
                 res.update(scored.metrics.summary())
         res["eval_s"] = span.wall - span.compile
         res["compile_s"] = span.compile
+        res["sampled_tokens"] = self.sampled_tokens
         res["loop_s"] = self._loop_s()
         row = self.metrics.log(step, "eval", res)
         self.history.append(row)
@@ -260,7 +271,7 @@ class _Job:
         await self.cleanup.aclose(None)
         # after shutdown, so that the phases (with ``other`` for the unmeasured rest) cover the whole run
         wall = time.perf_counter() - self.t_start
-        summary = Summary(run_dir=str(self.run_dir), steps=self.cfg.steps, warm_start=self.warm_report,
+        summary = Summary(run_dir=str(self.run_dir), steps=self.last_step, warm_start=self.warm_report,
                           first_eval=first_eval, last_eval=last_eval, wall_s=wall, timings=self.times.account(wall),
                           compiled_programs=self.times.programs, compile_cache_hits=self.times.cache_hits,
                           compile_top=self._compile_top(), background_compile=self._background())
@@ -312,17 +323,24 @@ class _Job:
         while step < cfg.steps:
             step += 1
             row = await driver.step(step)
-            if step % cfg.eval.every_steps == 0 or step == cfg.steps:
+            before = self.sampled_tokens
+            self.sampled_tokens += int(row.get("generated_tokens", 0))
+            self.last_step = step
+            spent = cfg.token_budget is not None and self.sampled_tokens >= cfg.token_budget
+            if self._eval_due(step, before) or step == cfg.steps or spent:
                 res = await self.run_eval(step)
                 last_eval = {"step": step, **res}
                 first_eval = first_eval or last_eval
                 (tqdm.write if cfg.progress and self.primary else self.log)(f"eval @{step}: " + _fmt(res))
-            if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps:
+            if step % cfg.checkpoint.every_steps == 0 or step == cfg.steps or spent:
                 self.checkpoint(step)
             bar.set_postfix(succ=f"{row['success']:.2f}", loss=f"{row.get('loss', 0.0):.3f}",
                             ent=f"{row.get('entropy', float('nan')):.2f}",
                             ev=f"{(last_eval or {}).get('success', float('nan')):.2f}", refresh=False)
             bar.update(1)
+            if spent:
+                self.log(f"token budget spent at step {step}: {self.sampled_tokens} of {cfg.token_budget} sampled tokens")
+                break
         bar.close()
         self.ckpt.wait()
         self.policy.params = self.learner.host_params()  # this host's copy of the final weights (for the export)

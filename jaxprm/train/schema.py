@@ -372,7 +372,13 @@ class WarmStartConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
+    """Held-out evaluation: every ``every_steps`` steps (and at the last), or, with the run's
+    ``token_budget``, when the train rollouts' sampled tokens first reach each of
+    ``token_fractions`` of it (e.g. ``[0.1667, 0.3333, 0.5, 0.6667, 0.8333, 1.0]``: arms compared
+    at equal cost)."""
+
     every_steps: int = 10
+    token_fractions: list[float] | None = None
     num_tasks: int = 64
     samples: int = 4
     greedy: bool = True
@@ -442,6 +448,9 @@ class TrainConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     steps: int = 30
+    # stop after the step at which the train rollouts' sampled (generated) tokens reach this many;
+    # ``steps`` is then a cap (null: run ``steps`` steps)
+    token_budget: int | None = None
     seed: int = 0
     run_dir: str = "runs/default"
     log_every: int = 1

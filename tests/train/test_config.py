@@ -138,6 +138,9 @@ def test_file_then_overrides(tmp_path):
           "prm.scorers=[{path: scorers.FrozenLakeProgressScorer}]"], "prm.scorers[0].path: scorers.FrozenLakeProgressScorer"),
         (["rollout.source=agent", "rollout.strategy=flat", "agent.workflow=rollout.agents.grid_chat:run",
           "agent.kwargs={env: sokoban}"], "agent.workflow: rollout.agents.grid_chat:run plays sokoban, but env.name is frozenlake"),
+        (["token_budget=0"], "token_budget: must be > 0"),
+        (["eval.token_fractions=[0.5]"], "eval.token_fractions: needs token_budget"),
+        (["token_budget=100", "eval.token_fractions=[0.5, 1.5]"], "eval.token_fractions: must be a non-empty list"),
         # tree credit
         (["advantage.estimator=tree"], "advantage.estimator: got 'tree'; allowed values: 'leaf_grpo', 'tree_value', "
                                        "'sibling', 'anchor_state'; did you mean 'tree_value'?"),

@@ -69,3 +69,21 @@ def test_a_tree_credit_estimator_trains_from_patr_trees(tmp_path, estimator):
     row = _row("configs/default.yaml", tmp_path, f"advantage.estimator={estimator}", "rollout.temperature=2.0")
     assert row["updates"] >= 1 and row["trained_tokens"] > 0
     assert row["adv_abs_mean"] > 0 or row["mixed_groups"] == 0
+
+
+def test_a_token_budget_stops_the_run_and_places_the_evals(tmp_path):
+    """Equal cost enforced: the run stops at the step whose sampled tokens reach token_budget and
+    evaluates where the tokens first reach each fraction of it (and at the stop)."""
+    cfg = load_config(ROOT / "configs/flat_grpo.yaml",
+                      [*SMALL, f"run_dir={tmp_path / 'run'}", "steps=6", "token_budget=400",
+                       "eval.token_fractions=[0.3, 0.6]", "eval.every_steps=1"])
+    summary = train(cfg)
+    rows = read_metrics(Path(summary.run_dir) / "metrics.jsonl")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    spent = [sum(r["generated_tokens"] for r in train_rows[:i + 1]) for i in range(len(train_rows))]
+    assert summary.steps == len(train_rows) < 6  # stopped by the budget, not the step cap
+    assert spent[-1] >= 400 and (len(spent) == 1 or spent[-2] < 400)
+    evals = {r["step"]: r["sampled_tokens"] for r in rows if r["kind"] == "eval"}
+    due = {i + 1 for i, s in enumerate(spent) if any((spent[i - 1] if i else 0) < f * 400 <= s for f in (0.3, 0.6))}
+    assert set(evals) == due | {summary.steps}  # every_steps=1 is ignored: the fractions decide
+    assert all(evals[s] == spent[s - 1] for s in evals)
