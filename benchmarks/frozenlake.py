@@ -1,13 +1,19 @@
 """The paper's comparison on this machine: GRPO, DAPO, ARPO, Tree-Random and PaTR on FrozenLake at an
-equal sampling cost.
+equal sampling cost, and the tree-credit estimators (``advantage.estimator``).
 
-    python -m benchmarks.frozenlake [--seeds 0 1 2] [--steps N] [--variants grpo patr ...]
-        [--budget tokens|trajectories] [--jobs J] [--out DIR] [key.sub=value ...]
+    python -m benchmarks.frozenlake [--seeds 0 1 2] [--steps N] [--variants grpo patr patr_tree_value ...]
+        [--budget total|tokens|trajectories] [--token-budget N] [--jobs J] [--out DIR] [key.sub=value ...]
 
 Every run is ``python -m jaxprm.train --config configs/<variant>.yaml`` on the embedded default
 (same warm start per seed, same tasks, same learner: clip-higher and the token-level loss for every
-row); only the rollout strategy changes. ``--budget tokens`` (default) equalises the *sampled tokens
-per step*, the budget that costs generation compute: a one-step pilot of each variant (seed 0, the
+row); only the rollout strategy (and, for the ``*_tree_value`` / ``*_sibling`` / ``*_anchor`` rows,
+``advantage.estimator``) changes. ``--budget total`` (default) enforces equal cost: every run stops
+at the step where its train rollouts have sampled ``token_budget`` tokens (measured once: flat
+GRPO's tokens over the config's steps, seed 0, under ``OUT/anchor``; recorded in ``results.json``)
+and is evaluated at 1/6, 2/6, ..., 6/6 of it (and at step 0), so ``success.png`` is success against
+cumulative sampled tokens; every variant is then compared with flat GRPO paired by seed
+(``benchmarks.paired``: mean difference, 95% t CI, Wilcoxon p). ``--budget tokens`` equalises the
+*sampled tokens per step*, the budget that costs generation compute: a one-step pilot of each variant (seed 0, the
 warm-started policy) measures its generated tokens per task, and each variant then rolls out
 ``round(16 * flat's tokens per task / its own)`` tasks a step (flat GRPO keeps 16). ``--budget
 trajectories`` keeps 16 tasks of 8 trajectories for all (the older protocol). The table reports
@@ -53,7 +59,21 @@ VARIANTS = {
     "tree_random": "configs/tree_random.yaml",
     "patr": "configs/default.yaml",
     "patr_paper": "configs/patr_paper.yaml",
+    # the tree-credit rows (advantage.estimator; jaxprm.learner.tree_credit)
+    "grpo_anchor": "configs/flat_grpo.yaml",
+    "patr_tree_value": "configs/default.yaml",
+    "patr_sibling": "configs/default.yaml",
+    "patr_anchor": "configs/default.yaml",
 }
+#: what a variant adds to its config
+VARIANT_OVERRIDES = {
+    "grpo_anchor": ["advantage.estimator=anchor_state"],
+    "patr_tree_value": ["advantage.estimator=tree_value"],
+    "patr_sibling": ["advantage.estimator=sibling"],
+    "patr_anchor": ["advantage.estimator=anchor_state"],
+}
+#: --budget total: evaluations at these fractions of the token budget (and at step 0)
+TOKEN_FRACTIONS = (1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0)
 BASE_TASKS = 16  # the default's tasks per step: the flat GRPO row's budget
 
 #: the paper's Table 1 (FrozenLake, Qwen2.5-0.5B-Instruct): success, pass@4, response length, turns
@@ -99,10 +119,41 @@ def pilot_tokens(variant: str, out: Path, extra: list[str]) -> float:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         _train(VARIANTS[variant], run_dir, ["seed=0", "env.seed=0", "steps=1", "eval.at_start=false",
                                             "eval.num_tasks=1", "eval.samples=1", "eval.greedy=false",
-                                            f"rollout.tasks_per_step={BASE_TASKS}", *extra],
+                                            f"rollout.tasks_per_step={BASE_TASKS}",
+                                            *VARIANT_OVERRIDES.get(variant, []), *extra],
                run_dir.parent / f"{variant}.log")
     row = next(r for r in _rows(run_dir) if r["kind"] == "train")
     return row["generated_tokens"] / BASE_TASKS
+
+
+def anchor_budget(out: Path, steps: int | None, extra: list[str]) -> int:
+    """``--budget total``'s budget, measured once: the tokens flat GRPO samples in a run of the
+    config's steps (seed 0, the warm-started policy; a cheap eval), reused from ``OUT/anchor``."""
+    run_dir = out / "anchor" / "grpo"
+    if not _finished(run_dir):
+        _fresh(run_dir)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        _train(VARIANTS["grpo"], run_dir, ["seed=0", "env.seed=0", "eval.at_start=false", "eval.num_tasks=1",
+                                           "eval.samples=1", "eval.greedy=false", f"rollout.tasks_per_step={BASE_TASKS}",
+                                           *([f"steps={steps}"] if steps is not None else []), *extra],
+               run_dir.parent / "grpo.log")
+    return int(sum(r["generated_tokens"] for r in _rows(run_dir) if r["kind"] == "train"))
+
+
+def paired_against(results: dict[str, list[dict]], base: str = "grpo") -> dict[str, dict]:
+    """Each variant against ``base``, paired by seed, on the final held-out success in points and
+    on the gain over step 0 (``benchmarks.paired``)."""
+    from benchmarks.paired import paired_comparison
+
+    out = {}
+    for v, runs in results.items():
+        if v == base or len(runs) < 2 or len(runs) != len(results.get(base, [])):
+            continue
+        final = [100 * r["success"][-1] for r in runs], [100 * r["success"][-1] for r in results[base]]
+        gain = ([100 * (r["success"][-1] - r["success"][0]) for r in runs],
+                [100 * (r["success"][-1] - r["success"][0]) for r in results[base]])
+        out[v] = {"final_success": paired_comparison(*final), "gain": paired_comparison(*gain)}
+    return out
 
 
 def tasks_per_step(pilots: dict[str, float]) -> dict[str, int]:
@@ -117,7 +168,8 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
     if not _finished(run_dir):
         _fresh(run_dir)
         t0 = time.perf_counter()
-        overrides = [f"seed={seed}", f"env.seed={seed}", f"rollout.tasks_per_step={tasks}", *extra]
+        overrides = [f"seed={seed}", f"env.seed={seed}", f"rollout.tasks_per_step={tasks}",
+                     *VARIANT_OVERRIDES.get(variant, []), *extra]
         if steps is not None:
             overrides.append(f"steps={steps}")
         _train(VARIANTS[variant], run_dir, overrides, out / f"{variant}-s{seed}.log")
@@ -129,6 +181,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
     return {
         "tasks_per_step": tasks,
         "steps": [r["step"] for r in ev],
+        "sampled_tokens": [r.get("sampled_tokens") for r in ev],
         "success": [r["success"] for r in ev],
         "pass_at_4": [r.get("pass_at_4") for r in ev],
         "greedy": [r.get("greedy_success") for r in ev],
@@ -214,13 +267,42 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_tokens(results: dict[str, list[dict]], budget: int, path: Path, title: str) -> None:
+    """Held-out success against cumulative sampled tokens (``--budget total``): the mean over seeds
+    at each evaluation's nominal budget fraction, with a band of one sample std."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [0.0, *[f * budget for f in TOKEN_FRACTIONS]]
+    for variant, runs in results.items():
+        n = min(len(xs), *(len(r["success"]) for r in runs))
+        succ = np.array([r["success"][:n] for r in runs])
+        sd = succ.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
+        ax.plot(xs[:n], succ.mean(0), marker="o", label=f"{variant} ({len(runs)})")
+        ax.fill_between(xs[:n], succ.mean(0) - sd, succ.mean(0) + sd, alpha=0.12)
+    ax.set(xlabel="sampled tokens (train rollouts)", ylabel="held-out sampled success", ylim=(0, 1))
+    ax.set_title("\n".join(textwrap.wrap(title, 72)), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.frozenlake", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the config's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--budget", choices=("tokens", "trajectories"), default="tokens",
-                   help="equalise sampled tokens per step (default) or trajectories per step")
+    p.add_argument("--budget", choices=("total", "tokens", "trajectories"), default="total",
+                   help="total (default): every run samples the same cumulative tokens (token_budget) and is "
+                        "evaluated at the same fractions of it; tokens: equal tokens per step (a pilot sets "
+                        "tasks per step); trajectories: 16 tasks of 8 trajectories")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="--budget total: the budget (default: flat GRPO's tokens over the config's steps, seed 0, "
+                        "measured once under OUT/anchor and recorded)")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--out", default="runs/bench_frozenlake")
     p.add_argument("--title", default=None, help="the table's title (default: the settings)")
@@ -233,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # runs go in the order given (flat GRPO, the budget's anchor, is added last when not named); the
     # table keeps the VARIANTS order
-    variants = list(dict.fromkeys([*args.variants, *args.keep, *(["grpo"] if args.budget == "tokens" else [])]))
+    variants = list(dict.fromkeys([*args.variants, *args.keep, *(["grpo"] if args.budget != "trajectories" else [])]))
 
     earlier = json.loads((out / "results.json").read_text()) if args.keep else None
     if args.budget == "tokens":
@@ -245,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:<12} {pilots[v]:7.1f} tokens/task -> {tasks[v]} tasks/step", flush=True)
     else:
         pilots, tasks = {}, dict.fromkeys(variants, BASE_TASKS)
-
+    budget = None
     per_variant = {v: [] for v in variants}
+    if args.budget == "total":
+        budget = args.token_budget or (earlier or {}).get("token_budget") or anchor_budget(out, args.steps, args.overrides)
+        cap = 4 * (args.steps or 30)
+        print(f"token budget: {budget} sampled tokens a run (evaluated at {len(TOKEN_FRACTIONS)} fractions; "
+              f"at most {cap} steps)", flush=True)
+        fractions = "[" + ", ".join(f"{f:.6f}" for f in TOKEN_FRACTIONS) + "]"
+        per_variant = {v: [f"token_budget={budget}", f"eval.token_fractions={fractions}"] for v in variants}
+        args.steps = cap
     if args.budget == "tokens" and "dapo" in per_variant:  # its refill rounds stop at flat GRPO's tokens per step
         per_variant["dapo"] = [f"rollout.dapo.max_tokens_per_step={round(BASE_TASKS * pilots['grpo'])}"]
     jobs = [(v, s) for v in variants if v not in args.keep for s in args.seeds]
@@ -263,17 +353,32 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {v: results[v] for v in VARIANTS if v in results}
     summary = summarize(results)
-    title = args.title or (f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, "
-                           f"equal {args.budget} per step")
+    what = f"equal {args.budget} per step" if args.budget != "total" else f"equal sampled tokens ({budget} a run)"
+    title = args.title or f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, {what}"
     md = table(summary, title)
+    paired = paired_against(results)
+    if paired:
+        from benchmarks.paired import format_comparison
+
+        md += "\n\nPaired by seed against grpo (points; " + "sample std, 95% t CI, Wilcoxon signed-rank):\n\n" + "\n".join(
+            f"- {format_comparison(v + ' final success', c['final_success'])}; "
+            f"{format_comparison('gain', c['gain'])}" for v, c in paired.items())
     print("\n" + md)
-    (out / "results.json").write_text(json.dumps({"budget": args.budget, "pilot_tokens_per_task": pilots,
+    from benchmarks.provenance import provenance
+
+    (out / "results.json").write_text(json.dumps({**provenance(), "budget": args.budget, "token_budget": budget,
+                                                  "token_fractions": list(TOKEN_FRACTIONS) if budget else None,
+                                                  "pilot_tokens_per_task": pilots,
                                                   "tasks_per_step": tasks, "overrides": args.overrides,
-                                                  "variant_overrides": per_variant,
-                                                  "runs": results}, indent=1))
+                                                  "variant_overrides": {v: [*VARIANT_OVERRIDES.get(v, []), *o]
+                                                                        for v, o in per_variant.items()},
+                                                  "paired_vs_grpo": paired, "runs": results}, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(md + "\n")
-    plot(results, out / "success.png", title)
+    if budget:
+        plot_tokens(results, budget, out / "success.png", title)
+    else:
+        plot(results, out / "success.png", title)
     print(f"\nwrote {out}/results.json, summary.json, table.md, success.png")
     return 0
 
