@@ -246,7 +246,10 @@ def table(summary: dict[str, dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
+def plot(results: dict[str, list[dict]], path: Path, title: str, budget: int | None = None) -> None:
+    """Held-out success, mean over seeds with a band of one sample std, against the training step,
+    or (``budget``: ``--budget total``) against cumulative sampled tokens at each evaluation's
+    nominal fraction of the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,35 +258,14 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for variant, runs in results.items():
         n = min(len(r["success"]) for r in runs)
-        xs = runs[0]["steps"][:n]
-        succ = np.array([r["success"][:n] for r in runs])
-        ax.plot(xs, succ.mean(0), marker="o", label=variant)
-        ax.fill_between(xs, succ.mean(0) - succ.std(0), succ.mean(0) + succ.std(0), alpha=0.15)
-    ax.set(xlabel="training step", ylabel="held-out sampled success", ylim=(0, 1))
-    ax.set_title("\n".join(textwrap.wrap(title, 72)), fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def plot_tokens(results: dict[str, list[dict]], budget: int, path: Path, title: str) -> None:
-    """Held-out success against cumulative sampled tokens (``--budget total``): the mean over seeds
-    at each evaluation's nominal budget fraction, with a band of one sample std."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [0.0, *[f * budget for f in TOKEN_FRACTIONS]]
-    for variant, runs in results.items():
-        n = min(len(xs), *(len(r["success"]) for r in runs))
+        xs = runs[0]["steps"] if budget is None else [0.0, *[f * budget for f in TOKEN_FRACTIONS]]
+        n = min(n, len(xs))
         succ = np.array([r["success"][:n] for r in runs])
         sd = succ.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
         ax.plot(xs[:n], succ.mean(0), marker="o", label=f"{variant} ({len(runs)})")
         ax.fill_between(xs[:n], succ.mean(0) - sd, succ.mean(0) + sd, alpha=0.12)
-    ax.set(xlabel="sampled tokens (train rollouts)", ylabel="held-out sampled success", ylim=(0, 1))
+    xlabel = "training step" if budget is None else "sampled tokens (train rollouts)"
+    ax.set(xlabel=xlabel, ylabel="held-out sampled success", ylim=(0, 1))
     ax.set_title("\n".join(textwrap.wrap(title, 72)), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -375,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "paired_vs_grpo": paired, "runs": results}, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(md + "\n")
-    if budget:
-        plot_tokens(results, budget, out / "success.png", title)
-    else:
-        plot(results, out / "success.png", title)
+    plot(results, out / "success.png", title, budget)
     print(f"\nwrote {out}/results.json, summary.json, table.md, success.png")
     return 0
 

@@ -106,12 +106,17 @@ def padded(lists, shape):
 SEEDS = range(8)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_tree_value_matches_the_reference(seed):
+def random_case(seed, pad_rows=1):
+    """A random forest, its leaves' rewards and its arrays (with ``pad_rows`` padding rows)."""
     rng = np.random.default_rng(seed)
     parent, _, rows, row_groups = random_forest(rng)
     rewards = rng.normal(size=len(rows))
-    r, tn, g = as_arrays(rows, row_groups, rewards)
+    return (parent, rows, row_groups, rewards, *as_arrays(rows, row_groups, rewards, pad_rows=pad_rows))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tree_value_matches_the_reference(seed):
+    parent, rows, row_groups, rewards, r, tn, g = random_case(seed)
     adv, w = tree_value_advantages(r, tn, g, num_groups=3, num_nodes=len(parent))
     ref_adv, ref_w = ref_tree_value(parent, rows, row_groups, rewards)
     np.testing.assert_allclose(np.asarray(adv), padded(ref_adv, tn.shape), atol=1e-12)
@@ -126,10 +131,7 @@ def test_tree_value_matches_the_reference(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sibling_matches_the_reference(seed):
-    rng = np.random.default_rng(seed)
-    parent, _, rows, row_groups = random_forest(rng)
-    rewards = rng.normal(size=len(rows))
-    r, tn, _ = as_arrays(rows, row_groups, rewards)
+    parent, rows, _, rewards, r, tn, _ = random_case(seed)
     got = sibling_advantages(r, tn, num_nodes=len(parent), eps=1e-6)
     np.testing.assert_allclose(np.asarray(got), padded(ref_sibling(parent, rows, rewards, 1e-6), tn.shape), atol=1e-9)
 
