@@ -88,7 +88,8 @@ def normalize(
         n_seg = B if num_groups is None else int(num_groups)
         gid = jnp.asarray(group_ids, jnp.int32)
 
-    tw = m if token_weights is None else m * jnp.asarray(token_weights, dtype)
+    w = 1.0 if token_weights is None else jnp.asarray(token_weights, dtype)
+    tw = m * w
     row_sum = jnp.sum(x * tw, axis=1)
     row_cnt = jnp.sum(tw, axis=1)
 
@@ -110,8 +111,7 @@ def normalize(
         std_row = jnp.ones((B,), dtype)
         eps_eff = 0.0
     else:
-        sq_row = jnp.sum(centered * centered, axis=1) if token_weights is None else \
-            jnp.sum(centered * centered * jnp.asarray(token_weights, dtype), axis=1)
+        sq_row = jnp.sum(centered * centered * w, axis=1)
         ddof = 1.0 if unbiased else 0.0
         if std_level == "batch":
             n = jnp.sum(row_cnt)

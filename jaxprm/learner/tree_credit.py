@@ -80,10 +80,9 @@ def _root_values(rewards, turn_nodes, group_ids, num_groups, dt):
     return v[group_ids]
 
 
-def _parents_values(v_nodes, v_root, turn_nodes):
-    """``V(parent)`` per turn: the previous turn's node, the root for a first turn."""
-    prev = jnp.concatenate([jnp.full_like(turn_nodes[:, :1], -1), turn_nodes[:, :-1]], axis=1)
-    return jnp.where(prev >= 0, v_nodes[jnp.maximum(prev, 0)], v_root[:, None]), prev
+def _previous(turn_nodes):
+    """The node of each turn's previous turn, its parent (-1 for a first turn: the root)."""
+    return jnp.concatenate([jnp.full_like(turn_nodes[:, :1], -1), turn_nodes[:, :-1]], axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "num_nodes"))
@@ -102,7 +101,8 @@ def tree_value_advantages(rewards: jax.Array, turn_nodes: jax.Array, group_ids: 
     v_root = _root_values(rewards, turn_nodes, group_ids, num_groups, dt)
     node = jnp.maximum(turn_nodes, 0)
     valid = turn_nodes >= 0
-    v_par, _ = _parents_values(v, v_root, turn_nodes)
+    prev = _previous(turn_nodes)
+    v_par = jnp.where(prev >= 0, v[jnp.maximum(prev, 0)], v_root[:, None])
     leaves = jnp.where(valid, n_leaves[node], 1.0)
     adv = ((v[node] - v_root[:, None]) + (v[node] - v_par)) / jnp.sqrt(leaves)
     return jnp.where(valid, adv, 0.0), jnp.where(valid, 1.0 / leaves, 0.0)
@@ -117,15 +117,14 @@ def sibling_advantages(rewards: jax.Array, turn_nodes: jax.Array, *, num_nodes: 
     ``z`` if its parent branches, else its parent's turn's term (0 below the root's children)."""
     _check_tree(rewards, turn_nodes)
     dt = jnp.result_type(rewards, jnp.float32)
-    v, _ = node_values(rewards.astype(dt), turn_nodes, num_nodes=num_nodes)
+    v, n_leaves = node_values(rewards.astype(dt), turn_nodes, num_nodes=num_nodes)
     valid = turn_nodes >= 0
-    prev = jnp.concatenate([jnp.full_like(turn_nodes[:, :1], -1), turn_nodes[:, :-1]], axis=1)
+    prev = _previous(turn_nodes)
     # parent id of every node (num_nodes for the root's children and unused ids), from any copy
     par_of = jax.ops.segment_max(jnp.where(valid & (prev >= 0), prev, -1).reshape(-1),
                                  jnp.where(valid, turn_nodes, num_nodes).reshape(-1),
                                  num_segments=num_nodes + 1)[:num_nodes]
-    used = jax.ops.segment_sum(valid.astype(dt).reshape(-1), jnp.where(valid, turn_nodes, num_nodes).reshape(-1),
-                               num_segments=num_nodes + 1)[:num_nodes] > 0
+    used = n_leaves > 0
     par_seg = jnp.where(used & (par_of >= 0), par_of, num_nodes)
     ones = used.astype(dt)
     mean, n_children = _segment_mean(v, par_seg, num_nodes, ones)

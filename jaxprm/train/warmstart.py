@@ -158,13 +158,11 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     return params, losses
 
 
-def warm_start_key(key_data: dict[str, Any], demos: list[Demo] | None = None) -> str:
+def warm_start_key(key_data: dict[str, Any], demos: list[Demo]) -> str:
     """The cache key: a hash of the settings that determine the warm-started params
     (``jaxprm.train.adapters.warm_start_key_data``) and of the demonstrations' tokens and masks, so
     a change the settings do not name (an environment's rendering or rewards, a prompt, the
     tokenizer) misses the cache too."""
-    if demos is None:
-        return config_hash(key_data)
     h = hashlib.sha256()
     for d in demos:
         h.update(np.asarray(d.tokens, np.int64).tobytes())

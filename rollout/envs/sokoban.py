@@ -7,12 +7,12 @@ reward of a step is gym-sokoban's: -0.1, +1 for a box pushed onto a target, -1 f
 ``max_turns`` steps. A box pushed into a corner off a target makes the level unsolvable, many turns
 before the episode ends.
 
-The model sees the room one row per line, one character a cell (as FrozenLake's map): ``#`` wall, ``.`` floor,
-``O`` target, ``X`` box, ``*`` box on a target, ``P`` player, ``S`` player on a target (RAGEN's
-symbols, with ``*`` for its non-ASCII box on target and ``.`` for its ``_`` floor: the tiny
-tokenizer merges ``__`` into one token, so rows with runs of floor no longer had one token a cell). The answer format is FrozenLake's: the move
-in the last fenced block (```` ```Up``` ````); an invalid answer ends the episode (default) or is a
-no-op turn. Ending on an invalid answer forfeits the turns left: its reward is the step penalty of
+The model sees the room one row per line, one character a cell (as FrozenLake's map): ``#`` wall,
+``.`` floor, ``O`` target, ``X`` box, ``*`` box on a target, ``P`` player, ``S`` player on a target
+(RAGEN's symbols, with ``*`` for its non-ASCII box on target and ``.`` for its ``_`` floor: the
+tiny tokenizer merges ``__`` into one token, so rows with runs of floor no longer had one token a
+cell). The answer format is FrozenLake's: the move in the last fenced block (```` ```Up``` ````);
+an invalid answer ends the episode (default) or is a no-op turn. Ending on an invalid answer forfeits the turns left: its reward is the step penalty of
 every remaining turn (``-0.1 * (max_turns - turn + 1)``), so that an episode never pays better for
 ending early than for playing on. (Without it GRPO learned to quit: a failing episode that stops at
 turn 3 costs -0.3 where one that plays out costs -1.0, and the tiny policy's invalid rate rose from
