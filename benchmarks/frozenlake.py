@@ -30,7 +30,10 @@ branches expanded / pruned at checkpoints. Writes ``results.json`` (every run's 
 ``table.md``, ``summary.json`` and ``success.png`` (success over steps with seed bands) under
 ``--out``. Finished runs are reused (delete a run directory to redo it); an interrupted run is
 restarted; ``--keep V ...`` takes those variants' rows from ``OUT/results.json`` of an earlier run
-instead of running them. ``--jobs`` runs that many trainings at once (default: one per 2 cores).
+instead of running them. ``--jobs`` runs that many trainings at once (default: one per 2 cores),
+seed by seed (every variant of a seed before the next seed, so an interrupted comparison holds whole
+pairs); ``--few V ...`` runs those (secondary) variants on the first 3 seeds only. Pairs are matched
+by seed, std is the sample std (ddof=1).
 """
 
 from __future__ import annotations
@@ -145,14 +148,21 @@ def paired_against(results: dict[str, list[dict]], base: str = "grpo") -> dict[s
     on the gain over step 0 (``benchmarks.paired``)."""
     from benchmarks.paired import paired_comparison
 
+    def by_seed(runs: list[dict]) -> dict[int, dict]:  # runs of older results carry no seed: their index
+        return {r.get("seed", i): r for i, r in enumerate(runs)}
+
     out = {}
+    base_runs = by_seed(results.get(base, []))
     for v, runs in results.items():
-        if v == base or len(runs) < 2 or len(runs) != len(results.get(base, [])):
+        mine = by_seed(runs)
+        seeds = sorted(set(mine) & set(base_runs))
+        if v == base or len(seeds) < 2:
             continue
-        final = [100 * r["success"][-1] for r in runs], [100 * r["success"][-1] for r in results[base]]
-        gain = ([100 * (r["success"][-1] - r["success"][0]) for r in runs],
-                [100 * (r["success"][-1] - r["success"][0]) for r in results[base]])
-        out[v] = {"final_success": paired_comparison(*final), "gain": paired_comparison(*gain)}
+        pairs = [(mine[s], base_runs[s]) for s in seeds]
+        final = [100 * a["success"][-1] for a, _ in pairs], [100 * b["success"][-1] for _, b in pairs]
+        gain = ([100 * (a["success"][-1] - a["success"][0]) for a, _ in pairs],
+                [100 * (b["success"][-1] - b["success"][0]) for _, b in pairs])
+        out[v] = {"seeds": seeds, "final_success": paired_comparison(*final), "gain": paired_comparison(*gain)}
     return out
 
 
@@ -179,6 +189,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
     tr = [r for r in rows if r["kind"] == "train"]
     mean = lambda key: float(np.mean([r.get(key, 0) for r in tr])) if tr else 0.0  # noqa: E731
     return {
+        "seed": seed,
         "tasks_per_step": tasks,
         "steps": [r["step"] for r in ev],
         "sampled_tokens": [r.get("sampled_tokens") for r in ev],
@@ -201,8 +212,11 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
 
 
 def _ms(values) -> tuple[float, float]:
+    """Mean and sample std (ddof=1; 0 for one value) of the values that are not None."""
     a = np.asarray([v for v in values if v is not None], float)
-    return (float(a.mean()), float(a.std())) if a.size else (math.nan, math.nan)
+    if not a.size:
+        return math.nan, math.nan
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
@@ -285,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=None,
                    help="--budget total: the budget (default: flat GRPO's tokens over the config's steps, seed 0, "
                         "measured once under OUT/anchor and recorded)")
+    p.add_argument("--few", nargs="+", default=[], choices=list(VARIANTS),
+                   help="run these variants on the first 3 of --seeds only (the secondary rows)")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--out", default="runs/bench_frozenlake")
     p.add_argument("--title", default=None, help="the table's title (default: the settings)")
@@ -321,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = cap
     if args.budget == "tokens" and "dapo" in per_variant:  # its refill rounds stop at flat GRPO's tokens per step
         per_variant["dapo"] = [f"rollout.dapo.max_tokens_per_step={round(BASE_TASKS * pilots['grpo'])}"]
-    jobs = [(v, s) for v in variants if v not in args.keep for s in args.seeds]
+    # seed-major, so that an interrupted comparison holds whole pairs; --few rows stop at 3 seeds
+    jobs = [(v, s) for i, s in enumerate(args.seeds) for v in variants
+            if v not in args.keep and not (v in args.few and i >= 3)]
     results: dict[str, list[dict]] = {v: [None] * len(args.seeds) for v in variants}
     for v in args.keep:  # these rows as an earlier run of the same protocol measured them
         results[v] = earlier["runs"][v]
@@ -333,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             v, i = futures[fut]
             results[v][i] = fut.result()
 
-    results = {v: results[v] for v in VARIANTS if v in results}
+    results = {v: [r for r in results[v] if r is not None] for v in VARIANTS if v in results}
     summary = summarize(results)
     what = f"equal {args.budget} per step" if args.budget != "total" else f"equal sampled tokens ({budget} a run)"
     title = args.title or f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, {what}"

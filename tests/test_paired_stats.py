@@ -26,3 +26,16 @@ def test_paired_comparison_refuses_what_it_cannot_pair():
     with pytest.raises(ValueError, match=">= 2 pairs"):
         paired_comparison([1.0], [1.0])
     assert paired_comparison([1.0, 2.0], [1.0, 2.0])["wilcoxon_p"] is None
+
+
+def test_frozenlake_pairs_runs_by_seed_and_reports_the_sample_std():
+    from benchmarks.frozenlake import _ms, paired_against
+
+    run = lambda seed, first, last: {"seed": seed, "success": [first, last]}  # noqa: E731
+    results = {"grpo": [run(0, 0.5, 0.6), run(1, 0.5, 0.7), run(2, 0.4, 0.5)],
+               "patr_sibling": [run(2, 0.4, 0.6), run(0, 0.5, 0.8)]}  # seed 1 never ran
+    c = paired_against(results)["patr_sibling"]
+    assert c["seeds"] == [0, 2]
+    assert c["final_success"]["mean_diff"] == pytest.approx(15.0)  # seed 0: +20, seed 2: +10 points
+    assert c["gain"]["n"] == 2 and c["gain"]["mean_diff"] == pytest.approx(15.0)
+    assert _ms([1.0, 2.0, 3.0, None]) == pytest.approx((2.0, 1.0)) and _ms([4.0]) == (4.0, 0.0)
