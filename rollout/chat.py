@@ -17,6 +17,7 @@ jinja2 template), which the tests and benchmarks use.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,12 +27,59 @@ __all__ = [
     "PromptBuilder",
     "PromptDriftError",
     "CHATML_TEMPLATE",
+    "TOOLS_TEMPLATE",
 ]
 
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+#: ChatML with function tools in Qwen2.5's Hermes style: with ``tools``, a system turn lists them in
+#: ``<tools>`` (after the caller's system message, or a default one) and asks for
+#: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; an assistant message's
+#: ``tool_calls`` render as those blocks; consecutive ``tool`` messages share one user turn of
+#: ``<tool_response>`` blocks. Conversations without tools render exactly as ``CHATML_TEMPLATE``.
+#: Whitespace control on every tag: the output is the same with or without ``trim_blocks``.
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] -}}"
+    "{%- else -%}{{- 'You are a helpful assistant.' -}}{%- endif -%}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' and loop.first and tools -%}"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] -%}"
+    "{{- '<|im_start|>assistant' -}}"
+    "{%- if m['content'] -%}{{- '\n' + m['content'] -}}{%- endif -%}"
+    "{%- for call in m['tool_calls'] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
+    "{{- '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\n<tool_response>\n' + m['content'] + '\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+def _tojson(x: Any, indent: int | None = None, **_: Any) -> str:
+    """``tojson`` as Hugging Face templates expect it: plain JSON, no HTML escaping."""
+    return json.dumps(x, ensure_ascii=False, indent=indent)
+
 
 _SENTINEL = "\u2063JAXPRM_SENTINEL\u2063"
 
@@ -41,7 +89,8 @@ class ChatTokenizer(Protocol):
     """What the rollout needs from a tokenizer.
 
     ``encode`` must NOT add special tokens of its own (no BOS): the chat template writes them.
-    ``apply_chat_template`` returns the rendered *text*. ``decode`` is used only when a server
+    ``apply_chat_template`` returns the rendered *text*; it takes ``tools=[...]`` as a keyword when
+    a request brings function tools (``rollout.tool_calls``). ``decode`` is used only when a server
     returns no text for the sampled tokens.
     """
 
@@ -75,6 +124,7 @@ class JinjaChatTokenizer:
 
         self.tokenizer = tokenizer
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False, keep_trailing_newline=True)
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(chat_template)
         ids = tokenizer.encode(eos_token, add_special_tokens=False).ids
         if len(ids) != 1:
@@ -88,8 +138,10 @@ class JinjaChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                            **variables: Any) -> str:
+        """The template's text of ``messages``; ``variables`` (e.g. ``tools``) go to the template."""
+        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
 
 
 class PromptBuilder:
@@ -118,9 +170,18 @@ class PromptBuilder:
         self.assistant_close = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
         self._close_ids = tokenizer.encode(self.assistant_close) if self.assistant_close else []
 
-    def initial(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The template's text; ``tools`` (function tools) go to it as its ``tools`` variable."""
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=list(tools))
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def initial(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+                ) -> list[int]:
         """Tokens of the first prompt: ``encode(render(messages, add_generation_prompt=True))``."""
-        return list(self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+        return list(self.tokenizer.encode(self.render(messages, True, tools)))
 
     def continuation(
         self,
@@ -128,17 +189,19 @@ class PromptBuilder:
         assistant_text: str,
         new_messages: Sequence[Mapping[str, Any]],
         sampled: Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Tokens to append after ``sampled`` (the assistant turn's tokens).
 
         ``messages`` is the conversation before the assistant turn, ``assistant_text`` its content.
         Returns ``close' + encode(render(all + new, gen=True)[len(render(all, gen=False)):])`` where
         ``close'`` is the template's closing of the assistant turn without the end-of-turn token
-        if ``sampled`` already ends with it.
+        if ``sampled`` already ends with it. ``tools`` are rendered in both (the assistant turn's own
+        tool calls are in ``assistant_text``, as generated).
         """
         with_asst = [*messages, {"role": "assistant", "content": assistant_text}]
-        before = self.tokenizer.apply_chat_template(with_asst, add_generation_prompt=False)
-        after = self.tokenizer.apply_chat_template([*with_asst, *new_messages], add_generation_prompt=True)
+        before = self.render(with_asst, False, tools)
+        after = self.render([*with_asst, *new_messages], True, tools)
         if not after.startswith(before):
             raise PromptDriftError(
                 "chat template is not prefix-stable: rendering with the new messages does not extend "

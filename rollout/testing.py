@@ -41,6 +41,7 @@ __all__ = [
     "ServerScript",
     "ScriptedServer",
     "fixed_text_policy",
+    "turn_script_policy",
     "hashed_action_policy",
     "frozenlake_policy",
     "build_app",
@@ -57,8 +58,9 @@ _CORPUS = [
 ]
 
 
-def make_test_tokenizer(vocab_size: int = 400) -> JinjaChatTokenizer:
-    """A small byte-level BPE (``tokenizers``) trained in-process, with a ChatML jinja template.
+def make_test_tokenizer(vocab_size: int = 400, template: str = CHATML_TEMPLATE) -> JinjaChatTokenizer:
+    """A small byte-level BPE (``tokenizers``) trained in-process, with a ChatML jinja template
+    (``template``: e.g. ``rollout.chat.TOOLS_TEMPLATE`` for function tools).
 
     Byte-level, so every string encodes and decodes losslessly; ``<|im_start|>``, ``<|im_end|>``
     and ``<|endoftext|>`` are single special ids; ``eos_token_id`` is ``<|im_end|>``.
@@ -75,7 +77,7 @@ def make_test_tokenizer(vocab_size: int = 400) -> JinjaChatTokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return JinjaChatTokenizer(tok, CHATML_TEMPLATE, eos_token="<|im_end|>")
+    return JinjaChatTokenizer(tok, template, eos_token="<|im_end|>")
 
 
 # ----------------------------------------------------------------------------------- policies
@@ -110,6 +112,19 @@ def fixed_text_policy(tokenizer: JinjaChatTokenizer, text: str) -> Policy:
 
     def policy(prompt: list[int], req: dict[str, Any]) -> tuple[list[int], str]:
         return _finish(list(ids), tokenizer.eos_token_id, req["max_tokens"])
+
+    return policy
+
+
+def turn_script_policy(tokenizer: JinjaChatTokenizer, turns: Sequence[str]) -> Policy:
+    """Answer ``turns[t]`` (then EOS) to a prompt with ``t`` earlier assistant turns (the last
+    entry once the script runs out): a scripted agent conversation, e.g. tool calls then an answer."""
+    encoded = [tokenizer.encode(t) for t in turns]
+
+    def policy(prompt: list[int], req: dict[str, Any]) -> tuple[list[int], str]:
+        text = tokenizer.tokenizer.decode(list(prompt), skip_special_tokens=False)
+        t = text.count("<|im_start|>assistant") - 1  # the last one is the generation prompt
+        return _finish(list(encoded[min(max(t, 0), len(encoded) - 1)]), tokenizer.eos_token_id, req["max_tokens"])
 
     return policy
 

@@ -3,7 +3,8 @@
 The tokenizer is a byte-level BPE trained (deterministically, by the ``tokenizers`` library) on
 generated FrozenLake-style text: grid rows of ``P _ O G`` cells, digits, the actions
 ``Up / Down / Left / Right`` in triple-backtick fences, the usual instructions and feedback, and
-ChatML turns. Byte-level BPE starts from all 256 bytes, so it encodes any text (unknown characters
+ChatML turns (the chat template is ``rollout.chat.TOOLS_TEMPLATE``: ChatML, with Qwen2.5's
+Hermes-style function tools when a request has them). Byte-level BPE starts from all 256 bytes, so it encodes any text (unknown characters
 fall back to their UTF-8 bytes) and decodes it back exactly. Special tokens: ``<|endoftext|>``
 (id 0, padding), ``<|im_start|>`` (1), ``<|im_end|>`` (2, end of turn = EOS).
 """
@@ -17,18 +18,13 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jaxprm.models.config import ModelConfig
 from jaxprm.models.tokenizer import Tokenizer
+from rollout.chat import TOOLS_TEMPLATE
 
-__all__ = ["TINY_VOCAB_SIZE", "CHATML_TEMPLATE", "tiny_config", "build_tiny_tokenizer", "tiny_corpus"]
+__all__ = ["TINY_VOCAB_SIZE", "tiny_config", "build_tiny_tokenizer", "tiny_corpus"]
 
 TINY_VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 _ACTIONS = ("Left", "Down", "Right", "Up")
 _INSTRUCTIONS = (
@@ -150,7 +146,7 @@ def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
     backend.train_from_iterator(docs, trainer=trainer)
     return Tokenizer(
         backend,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=TOOLS_TEMPLATE,  # ChatML; Hermes-style tools when a request has them
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

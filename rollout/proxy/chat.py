@@ -5,8 +5,10 @@
 ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k`` (extension),
 ``seed``, ``n`` (1 only), ``stream`` with ``stream_options.include_usage``, ``logprobs`` (the
 sampled token's log-prob per token). ``stop`` strings are accepted and not applied: in concat mode
-the stop token ends a turn (a stop string would cut the recorded tokens). ``tools`` are refused
-(tool calls are not parsed: an agent that needs tools describes them in its prompt).
+the stop token ends a turn (a stop string would cut the recorded tokens). Function ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` as ``rollout.tool_calls`` describes (the proxy's
+``tool_call_parser``); an answer with calls has ``message.tool_calls`` and ``finish_reason:
+"tool_calls"``, streamed as one tool-call delta per call.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from typing import Any
 
 from rollout.client import SamplingParams
 from rollout.proxy.config import ProxyError
+from rollout.tool_calls import ToolRequest, check_tool_messages, parse_tool_request
 from rollout.types import ModelResponse
 
 __all__ = ["ChatRequest", "parse_chat_request", "chat_answer", "stream_chunks"]
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-_REFUSED = {"tools": "tools are not supported (tool calls are not parsed); describe the tools in the prompt",
-            "functions": "functions are not supported (tool calls are not parsed)",
+_REFUSED = {"functions": "functions (the deprecated form) are not supported; use tools",
             "response_format": "response_format is not supported (no constrained decoding)"}
 
 
@@ -34,10 +36,11 @@ class ChatRequest:
     """A validated chat request: its messages and what to sample."""
 
     __slots__ = ("messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "include_usage",
-                 "logprobs", "model")
+                 "logprobs", "model", "tools")
 
     def __init__(self, messages: list[dict[str, Any]], *, max_tokens: int | None, temperature: float, top_p: float,
-                 top_k: int, seed: int | None, stream: bool, include_usage: bool, logprobs: bool, model: str | None):
+                 top_k: int, seed: int | None, stream: bool, include_usage: bool, logprobs: bool, model: str | None,
+                 tools: ToolRequest | None = None):
         self.messages = messages
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -48,6 +51,7 @@ class ChatRequest:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.model = model
+        self.tools = tools
 
     def sampling(self, default_max_tokens: int, room: int | None = None, *,
                  default_seed: int | None = None) -> SamplingParams:
@@ -94,6 +98,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if m.get("role") not in _ROLES:
             raise ProxyError(400, f"messages[{i}].role must be one of {list(_ROLES)}, got {m.get('role')!r}",
                              param="messages")
+    def error(message: str, param: str) -> ProxyError:
+        return ProxyError(400, message, param=param)
+
+    tools = parse_tool_request(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), error)
+    check_tool_messages(msgs, error)
     n = body.get("n")
     if n not in (None, 1):
         raise ProxyError(400, f"n must be 1 (one recorded turn per call), got {n!r}", param="n")
@@ -119,11 +128,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=-1 if top_k is None else top_k, seed=seed, stream=stream,
         include_usage=bool(opts.get("include_usage")), logprobs=bool(body.get("logprobs")),
-        model=model if isinstance(model, str) else None,
+        model=model if isinstance(model, str) else None, tools=tools,
     )
 
 
-def _finish(response: ModelResponse) -> str:
+def _finish(response: ModelResponse, message: Mapping[str, Any]) -> str:
+    if message.get("tool_calls"):
+        return "tool_calls"
     return "length" if response.stop_reason == "length" else "stop"
 
 
@@ -143,7 +154,7 @@ def _usage(response: ModelResponse) -> dict[str, int]:
 def chat_answer(record_id: str, model: str, response: ModelResponse, message: Mapping[str, Any], *,
                 logprobs: bool, token_text, created: int | None = None) -> dict[str, Any]:
     """The ``chat.completion`` object for a finished record (``id`` = the interaction id)."""
-    choice: dict[str, Any] = {"index": 0, "message": dict(message), "finish_reason": _finish(response),
+    choice: dict[str, Any] = {"index": 0, "message": dict(message), "finish_reason": _finish(response, message),
                               "logprobs": _logprobs(response, token_text) if logprobs else None}
     return {"id": record_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
             "choices": [choice], "usage": _usage(response)}
@@ -151,8 +162,9 @@ def chat_answer(record_id: str, model: str, response: ModelResponse, message: Ma
 
 def stream_chunks(record_id: str, model: str, response: ModelResponse, message: Mapping[str, Any], *,
                   logprobs: bool, include_usage: bool, token_text) -> Iterator[bytes]:
-    """Server-sent events of a finished record: a role chunk, one content chunk, the finish chunk,
-    an optional usage chunk (``stream_options.include_usage``), then ``[DONE]``."""
+    """Server-sent events of a finished record: a role chunk, one content chunk, one chunk per tool
+    call (its whole ``id``, ``function.name`` and ``function.arguments`` at its ``index``), the finish
+    chunk, an optional usage chunk (``stream_options.include_usage``), then ``[DONE]``."""
     created = int(time.time())
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -163,7 +175,9 @@ def stream_chunks(record_id: str, model: str, response: ModelResponse, message: 
     yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
     yield event([{"index": 0, "delta": {"content": message.get("content") or ""}, "finish_reason": None,
                   "logprobs": _logprobs(response, token_text) if logprobs else None}])
-    yield event([{"index": 0, "delta": {}, "finish_reason": _finish(response)}])
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        yield event([{"index": 0, "delta": {"tool_calls": [{"index": i, **call}]}, "finish_reason": None}])
+    yield event([{"index": 0, "delta": {}, "finish_reason": _finish(response, message)}])
     if include_usage:
         yield event([], usage=_usage(response))
     yield b"data: [DONE]\n\n"

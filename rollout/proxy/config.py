@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout.client import ClientConfig
+from rollout.tool_calls import get_parser
 from scorers.config import PRMConfig, as_prm_config, validate_prm_config
 
 __all__ = ["ProxyConfig", "ProxyError", "CHAT_TEMPLATE_TYPES", "HITL_SESSION"]
@@ -55,6 +56,8 @@ class ProxyConfig:
       sweep_interval_s: how often the sweep runs.
       drain_timeout_s: at shutdown, how long in-flight exports may still run before they are cancelled.
       max_group_size: the largest ``group_size`` a ``start_session`` may ask for.
+      tool_call_parser: how tool calls are read out of generated text (``rollout.tool_calls``:
+        ``hermes`` for Qwen2.5/3 and Hermes templates, ``llama3_json``).
     """
 
     upstream: ClientConfig
@@ -69,6 +72,7 @@ class ProxyConfig:
     sweep_interval_s: float = 30.0
     drain_timeout_s: float = 300.0
     max_group_size: int = 1024
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if not isinstance(self.upstream, ClientConfig):
@@ -86,6 +90,7 @@ class ProxyConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; must be >= 1")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens={self.max_context_tokens!r}; must be >= 2 or None")
+        get_parser(self.tool_call_parser)  # a ValueError naming the allowed parsers
         prm = as_prm_config(self.prm)
         validate_prm_config(prm, export_style="concat", token_backed=self.upstream.require_tokens,
                             token_rewards_as_adv=True, chat_template_type=self.chat_template_type)

@@ -41,6 +41,7 @@ from rollout.proxy.config import ProxyConfig, ProxyError
 from rollout.proxy.export import PRMStats, ProxyRow, concat_rows, individual_rows, score_sessions, trajectory_tree
 from rollout.proxy.sessions import Record, Session, SessionStore
 from rollout.proxy.tokenize import PromptMaker
+from rollout.tool_calls import ParsedOutput, get_parser, template_renders_tools
 from scorers.base import BaseScorer
 from scorers.runner import PRMRunner
 
@@ -146,6 +147,7 @@ class RecordingProxy:
         self.store = SessionStore(config.admin_key, max_group_size=config.max_group_size, on_remove=self._forget)
         self.prompts = PromptMaker(tokenizer)
         self.tokenizer = tokenizer
+        self.tool_parser = get_parser(config.tool_call_parser)
         self._borrowed_scorers = list(scorers or [])
         self._borrowed_client = client
         self.client: GenerationClient | None = client
@@ -157,6 +159,7 @@ class RecordingProxy:
         self.counters = collections.Counter()
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._token_text_cache: dict[int, str] = {}
+        self._tools_ok: bool | None = None
 
     def _forget(self, session: Session) -> None:
         """A removed session's sticky upstream route is released (the client's table stays small)."""
@@ -282,9 +285,20 @@ class RecordingProxy:
         """
         self._check_open("chat")
         concat = self.config.chat_template_type == "concat"
-        rec: Record | None = session.begin(req.messages, concat=concat, owned=owned) if session is not None else None
+        tools = req.tools
+        if tools is not None and not self._renders_tools():
+            name = getattr(self.tokenizer, "name_or_path", None) or type(self.tokenizer).__name__
+            raise ProxyError(400, f"tools: the chat template of the proxy's tokenizer ({name}) does not render "
+                                  "tools; serve a model whose template supports them (e.g. Qwen2.5/3)", param="tools")
+        tool_list = tools.tools if tools is not None else None
+        rec: Record | None = (session.begin(req.messages, concat=concat, owned=owned, tools=tool_list)
+                              if session is not None else None)
+        prefill = tools.prefill(self.tool_parser) if tools is not None else ""
         try:
-            prompt = self.prompts.prompt(rec) if rec is not None and concat else self.prompts.fresh(req.messages)
+            prompt = (self.prompts.prompt(rec) if rec is not None and concat
+                      else self.prompts.fresh(req.messages, tool_list))
+            if prefill:  # tool_choice required / named: the call's opening is prompt (rollout.tool_calls)
+                prompt = [*prompt, *self.tokenizer.encode(prefill)]
             room = None
             if self.config.max_context_tokens is not None:
                 room = self.config.max_context_tokens - len(prompt)
@@ -305,12 +319,23 @@ class RecordingProxy:
         resp = gen.response
         text = gen.text if gen.text is not None else self.tokenizer.decode(resp.output_tokens.tolist())
         self.counters["chats"] += 1
+        parsed = tools.finish(self.tool_parser, text) if tools is not None else ParsedOutput(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+            self.counters["tool_calls"] += len(parsed.calls)
+        self.counters["tool_call_parse_failures"] += int(parsed.failed)
         if rec is None:
             self.counters["passthrough"] += 1
-            return (f"chatcmpl-passthrough-{self.counters['passthrough']}", resp, {"role": "assistant", "content": text},
-                    gen.http_s)
-        session.complete(rec, resp, text)
+            return f"chatcmpl-passthrough-{self.counters['passthrough']}", resp, message, gen.http_s
+        session.complete(rec, resp, prefill + text, message)
         return rec.id, resp, rec.output_message, gen.http_s
+
+    def _renders_tools(self) -> bool:
+        """Whether the tokenizer's chat template shows ``tools`` to the model (probed once)."""
+        if self._tools_ok is None:
+            self._tools_ok = template_renders_tools(lambda msgs, tools: self.prompts.builder.render(msgs, True, tools))
+        return self._tools_ok
 
     # ------------------------------------------------------------------ export
 

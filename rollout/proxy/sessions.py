@@ -47,8 +47,25 @@ __all__ = ["Record", "Session", "SessionStore", "normalize_message", "HITL_SESSI
 
 
 def normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """The message as the parent rule compares it: top-level keys whose value is null dropped."""
-    return {k: v for k, v in message.items() if v is not None}
+    """The message as the parent rule compares it: top-level keys whose value is null dropped; an
+    assistant message's ``tool_calls`` reduced to ``id`` / ``type`` / ``function.name`` /
+    ``function.arguments`` (SDKs echo calls with extra null or default fields), and its empty
+    ``content`` dropped when it has calls (``""`` and null mean the same there)."""
+    out = {k: v for k, v in message.items() if v is not None}
+    calls = out.get("tool_calls")
+    if out.get("role") == "assistant" and isinstance(calls, list) and calls:
+        out["tool_calls"] = [_call_key(c) for c in calls]
+        if out.get("content") == "":
+            del out["content"]
+    return out
+
+
+def _call_key(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    fn = call["function"]
+    return {"id": call.get("id"), "type": call.get("type") or "function",
+            "function": {"name": fn.get("name"), "arguments": fn.get("arguments")}}
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,7 +81,10 @@ class Record:
       concat: the prompt was built by concatenation (``False``: a fresh template rendering).
       response: the token-backed upstream answer (``None`` while in flight): the prompt sent
         (``input_tokens``), the sampled tokens, their log-probs, the stop reason.
-      output_message: the assistant message returned to the agent.
+      output_message: the assistant message returned to the agent (``content``, and ``tool_calls``
+        parsed out of the generated text).
+      raw_text: the generated text as sampled (tool-call markup included; the concat rule renders it).
+      tools: the request's function tools (``None``: none), rendered into its prompts.
       version: the weight version of the output tokens (``-1``: not reported by the upstream).
       reward / env_state: set by ``set_reward`` (``env_states`` is a jaxprm extension).
       trajectory: the ready trajectory this record belongs to (``None``: not yet rewarded).
@@ -84,6 +104,8 @@ class Record:
     out_norm: dict[str, Any] | None = None
     response: ModelResponse | None = None
     output_message: dict[str, Any] | None = None
+    raw_text: str = ""
+    tools: tuple[dict[str, Any], ...] | None = None
     version: int = -1
     reward: float | None = None
     env_state: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -97,7 +119,8 @@ class Record:
 
     @property
     def text(self) -> str:
-        return "" if self.output_message is None else str(self.output_message.get("content") or "")
+        """The generated text as sampled (tool-call markup included)."""
+        return self.raw_text
 
     def full_norm(self) -> list[dict[str, Any]]:
         assert self.out_norm is not None
@@ -154,7 +177,8 @@ class Session:
                 return min(found, key=lambda r: r.seq)
         return None
 
-    def begin(self, messages: list[dict[str, Any]], *, concat: bool, owned: bool = False) -> Record:
+    def begin(self, messages: list[dict[str, Any]], *, concat: bool, owned: bool = False,
+              tools: Sequence[dict[str, Any]] | None = None) -> Record:
         """Create an in-flight record for a chat request (parent resolved now). The messages are
         deep-copied unless ``owned`` (the caller hands over objects nobody else refers to, e.g.
         just parsed from a request body)."""
@@ -165,7 +189,8 @@ class Session:
         depth = 0 if parent is None else parent.depth + 1
         sibling = sum(1 for r in self.records.values() if r.parent is parent and r.depth == depth)
         rec = Record(id=f"chatcmpl-{secrets.token_hex(12)}", seq=self._seq, messages=msgs, norm=norm,
-                     parent=parent, concat=concat, depth=depth, sibling=sibling)
+                     parent=parent, concat=concat, depth=depth, sibling=sibling,
+                     tools=tuple(tools) if tools else None)
         self._seq += 1
         self.records[rec.id] = rec
         self.inflight += 1
@@ -179,9 +204,13 @@ class Session:
         parts = (self.seed, f"b{self.index}", rec.depth) + ((rec.sibling,) if rec.sibling else ())
         return request_seed(*parts)
 
-    def complete(self, rec: Record, response: ModelResponse, text: str) -> None:
+    def complete(self, rec: Record, response: ModelResponse, text: str,
+                 message: dict[str, Any] | None = None) -> None:
+        """Record the upstream's answer: ``text`` as generated, ``message`` what the agent gets
+        (default: ``{"role": "assistant", "content": text}``)."""
         rec.response = response
-        rec.output_message = {"role": "assistant", "content": text}
+        rec.raw_text = text
+        rec.output_message = message if message is not None else {"role": "assistant", "content": text}
         rec.out_norm = normalize_message(rec.output_message)
         rec.version = -1 if response.weight_version is None else int(response.weight_version)
         k = len(rec.norm) + 1

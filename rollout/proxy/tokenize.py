@@ -57,20 +57,21 @@ class PromptMaker:
         self.builder = PromptBuilder(tokenizer)
         self.tokenizer = tokenizer
 
-    def fresh(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """``encode(template(messages, add_generation_prompt=True))``."""
-        return self.builder.initial([template_message(m) for m in messages])
+    def fresh(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+              ) -> list[int]:
+        """``encode(template(messages, add_generation_prompt=True[, tools]))``."""
+        return self.builder.initial([template_message(m) for m in messages], tools)
 
     def prompt(self, rec: Record) -> list[int]:
         """The prompt of ``rec``: concat on its parent when it has one (and is concat), else fresh."""
         parent = rec.parent
         if not rec.concat or parent is None:
-            return self.fresh(rec.messages)
+            return self.fresh(rec.messages, rec.tools)
         assert parent.response is not None
         before = [template_message(m) for m in parent.messages]
         new = [template_message(m) for m in rec.messages[len(parent.messages) + 1:]]
         try:
-            tail = self.builder.continuation(before, parent.text, new, parent.response.output_tokens)
+            tail = self.builder.continuation(before, parent.text, new, parent.response.output_tokens, rec.tools)
         except PromptDriftError as e:
             raise ProxyError(500, f"concat tokenization failed: {e}; run the proxy with chat_template_type 'hf' "
                                   "for this template (individual export only, no process rewards)") from None
@@ -136,9 +137,10 @@ class HFChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                            **variables: Any) -> str:
         return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                     **self._vars)
+                                     **self._vars, **variables)
 
 
 def load_tokenizer(spec: str) -> ChatTokenizer:

@@ -89,7 +89,7 @@ def test_bad_requests_are_4xx_with_clear_messages_and_lose_nothing(upstream):
         "no_key": (401, "missing Authorization"), "unknown_key": (401, "unknown or expired session key"),
         "malformed_json": (400, "not valid JSON"), "no_messages": (400, "messages must be a non-empty list"),
         "bad_role": (400, "messages[0].role must be one of"), "n_2": (400, "n must be 1"),
-        "tools": (400, "tools are not supported"), "bad_temperature": (400, "temperature must be a number"),
+        "tools": (400, "tools[0] must be"), "bad_temperature": (400, "temperature must be a number"),
         "wrong_admin": (401, "needs the admin key"), "session_key_as_admin": (403, "needs the admin key"),
         "reward_unknown_interaction": (400, "unknown interaction id 'chatcmpl-unknown'"),
         "reward_not_a_number": (400, "reward must be a finite number"),
