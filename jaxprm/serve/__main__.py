@@ -12,6 +12,7 @@ from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.app import create_app
 from jaxprm.serve.serving import ServeConfig
 from jaxprm.serve.weights import resolve_roots
+from rollout.tool_calls import TOOL_CALL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-loop", choices=("device", "host"), default="device",
                    help="ignored: the server decodes with its engine (the static sampler's loop option, "
                         "jaxprm.serve.static_sampler, is not part of the server); kept so command lines still parse")
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default="hermes",
+                   help="how tool calls are read out of chat answers to requests with tools (vLLM's flag): hermes "
+                        "(Qwen2.5/3, Hermes templates) or llama3_json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool calls are always parsed when a request has tools")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -81,7 +87,7 @@ def main(argv=None) -> None:
                          kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)), block_size=args.block_size,
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
                          max_prefill_tokens=args.max_prefill_tokens, enable_prefix_cache=not args.no_prefix_cache,
-                         weights_roots=weights_roots,
+                         weights_roots=weights_roots, tool_call_parser=args.tool_call_parser,
                          shared_prefix_attention={"auto": None, "on": True, "off": False}[args.shared_prefix_attention])
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

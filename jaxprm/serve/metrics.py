@@ -44,6 +44,9 @@ class EngineMetrics:
         self.prefill_tokens = counter("jaxprm:prefill_tokens", "Prompt tokens computed by prefill (not cached).")
         self.cache_queries = counter("jaxprm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("jaxprm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.tool_calls = counter("jaxprm:tool_calls", "Tool calls parsed out of chat answers.")
+        self.tool_call_parse_failures = counter("jaxprm:tool_call_parse_failures",
+                                                "Chat answers with tool-call markup that did not parse (sent as content).")
         self.preemptions = counter("jaxprm:num_preemptions", "Sequences preempted for lack of KV memory.")
         self.finished = Counter("jaxprm:request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)

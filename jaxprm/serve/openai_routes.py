@@ -4,6 +4,10 @@
   ``return_token_ids`` adds ``choices[i].token_ids`` and ``choices[i].prompt_token_ids``.
 * ``/v1/chat/completions``: the model's chat template renders ``messages``; logprobs in the OpenAI
   chat shape; ``return_token_ids`` adds ``choices[i].token_ids`` and top-level ``prompt_token_ids``.
+  Function ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as ``rollout.tool_calls`` describes
+  (the server's ``tool_call_parser``): calls come back in ``message.tool_calls`` with
+  ``finish_reason: "tool_calls"``; streamed, the content before a call streams as it is generated
+  and each call follows as one tool-call delta once the choice ends.
 
 Every answer reports the ``weight_version`` that produced it (the oldest among its choices);
 with ``return_token_ids`` each choice also has ``output_token_versions`` (per output token).
@@ -34,6 +38,7 @@ from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, Complet
 from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
+from rollout.tool_calls import StreamSplitter, ToolRequest, check_tool_messages, parse_tool_request
 
 __all__ = ["openai_router"]
 
@@ -119,8 +124,14 @@ async def _completion_events(srv: Serving, req: CompletionRequest, deltas, rows:
     yield SSE_DONE
 
 
+def _count_tools(srv: Serving, parsed) -> None:
+    srv.metrics.tool_calls.inc(len(parsed.calls))
+    if parsed.failed:
+        srv.metrics.tool_call_parse_failures.inc()
+
+
 async def _chat_events(srv: Serving, req: ChatCompletionRequest, deltas, n: int, prompt_ids: list[int],
-                       stops: list[str], top_n: int):
+                       stops: list[str], top_n: int, tools: ToolRequest | None):
     """SSE chunks of a streamed ``/v1/chat/completions`` (``chat.completion.chunk`` objects)."""
     rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), srv.config.model_name
     tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
@@ -133,9 +144,13 @@ async def _chat_events(srv: Serving, req: ChatCompletionRequest, deltas, n: int,
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     done: dict[int, Any] = {}
+    splitters = [StreamSplitter(tools, srv.tool_parser) for _ in range(n)] if tools is not None else None
     async for p in pieces(deltas, n, srv.decode, stops, srv.logprobs_mode(req), srv.sampler.eos_token_ids):
-        choice: dict[str, Any] = {"index": p.row, "delta": {"content": p.text} if p.text else {}, "logprobs": None,
-                                  "finish_reason": p.finish_reason, "stop_reason": p.stop_reason}
+        text = splitters[p.row].feed(p.text) if splitters is not None else p.text
+        ends_with_tools = splitters is not None and p.finish_reason is not None
+        choice: dict[str, Any] = {"index": p.row, "delta": {"content": text} if text else {}, "logprobs": None,
+                                  "finish_reason": None if ends_with_tools else p.finish_reason,
+                                  "stop_reason": None if ends_with_tools else p.stop_reason}
         if req.logprobs:
             choice["logprobs"] = _chat_logprobs(p.token_ids, p.logprobs, p.top_logprobs, top_n, tok_str)
         if req.return_token_ids:
@@ -144,6 +159,17 @@ async def _chat_events(srv: Serving, req: ChatCompletionRequest, deltas, n: int,
         if p.finish_reason is not None:
             done[p.row] = p
         yield chunk([choice])
+        if ends_with_tools:  # the rest of the content, each call whole, then the finish
+            rest, parsed = splitters[p.row].finish()
+            _count_tools(srv, parsed)
+            if rest:
+                yield chunk([{"index": p.row, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}])
+            for i, call in enumerate(parsed.calls):
+                yield chunk([{"index": p.row, "delta": {"tool_calls": [{"index": i, **call.to_openai()}]},
+                              "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": p.row, "delta": {}, "logprobs": None,
+                          "finish_reason": "tool_calls" if parsed.calls else p.finish_reason,
+                          "stop_reason": None if parsed.calls else p.stop_reason}])
     if _include_usage(req):
         completion_tokens = sum(len(p.tokens) for p in done.values())
         cached = done[0].cached_tokens if 0 in done else 0
@@ -155,9 +181,10 @@ def _stream_response(events) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
-    """The prompt token ids of a chat request (chat template, tools, ``continue_final_message``);
-    runs in a worker thread (long content is rendered and tokenized off the event loop)."""
+def _render_chat(srv: Serving, req: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+    """The prompt token ids of a chat request (chat template, tools, ``continue_final_message``, the
+    prefill of ``tool_choice`` required / named); runs in a worker thread (long content is rendered
+    and tokenized off the event loop)."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -171,8 +198,8 @@ def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
         msg["content"] = content if content is not None else ""
         messages.append(msg)
     template_vars = dict(req.chat_template_kwargs or {})
-    if req.tools:
-        template_vars["tools"] = req.tools
+    if tools is not None:
+        template_vars["tools"] = list(tools.tools)
     try:
         if req.continue_final_message:
             rendered = srv.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
@@ -185,6 +212,8 @@ def _render_chat(srv: Serving, req: ChatCompletionRequest) -> list[int]:
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **template_vars)
     except Exception as exc:  # template errors are the request's fault
         raise APIError(f"chat template failed: {type(exc).__name__}: {exc}", param="messages") from exc
+    if tools is not None:
+        rendered += tools.prefill(srv.tool_parser)
     return srv.encode_many([rendered], add_special_tokens=False, param="messages")[0]
 
 
@@ -200,6 +229,7 @@ class _Rows:
     prompt_tokens: int
     stops: list[str]
     texts: list[str] | None = None
+    tools: ToolRequest | None = None
 
 
 async def _parse_completion(srv: Serving, req: CompletionRequest) -> _Rows:
@@ -282,7 +312,18 @@ async def _parse_chat(srv: Serving, req: ChatCompletionRequest) -> _Rows:
     if top_n and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
     srv.check_n(req.n, 1)
-    prompt_ids = await asyncio.to_thread(_render_chat, srv, req)
+
+    def error(message: str, param: str) -> APIError:
+        return APIError(message, param=param)
+
+    tools = parse_tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, error)
+    check_tool_messages([m.model_dump(exclude_none=True) for m in req.messages], error)
+    if tools is not None:
+        srv.check_renders_tools()
+        if req.continue_final_message and tools.prefill(srv.tool_parser):
+            raise APIError("tool_choice 'required' or a named function cannot continue the final message "
+                           "(both would write the start of the answer)", param="tool_choice")
+    prompt_ids = await asyncio.to_thread(_render_chat, srv, req, tools)
     srv.check_prompt_ids(prompt_ids, param="messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -292,7 +333,7 @@ async def _parse_chat(srv: Serving, req: ChatCompletionRequest) -> _Rows:
                          seed=req.seed, stop_token_ids=srv.check_stop_token_ids(req.stop_token_ids),
                          ignore_eos=req.ignore_eos, top_logprobs=top_n)
     return _Rows(rows=[prompt_ids] * req.n, params=[sp] * req.n, choices=list(range(req.n)),
-                 prompt_tokens=len(prompt_ids), stops=stops)
+                 prompt_tokens=len(prompt_ids), stops=stops, tools=tools)
 
 
 def _chat_body(srv: Serving, req: ChatCompletionRequest, job: _Rows, results) -> dict[str, Any]:
@@ -301,8 +342,17 @@ def _chat_body(srv: Serving, req: ChatCompletionRequest, job: _Rows, results) ->
     tok_str = srv.token_label if req.return_tokens_as_token_ids else srv.token_text
     choices = []
     for ch in built:
-        choice: dict[str, Any] = {"index": ch.index, "message": {"role": "assistant", "content": ch.text},
-                                  "logprobs": None, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": ch.text}
+        finish, stop_reason = ch.finish_reason, ch.stop_reason
+        if job.tools is not None:
+            parsed = job.tools.finish(srv.tool_parser, ch.text)
+            _count_tools(srv, parsed)
+            message["content"] = parsed.content
+            if parsed.calls:
+                message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+                finish, stop_reason = "tool_calls", None
+        choice: dict[str, Any] = {"index": ch.index, "message": message,
+                                  "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
         if req.logprobs:
             choice["logprobs"] = _chat_logprobs(ch.token_ids, ch.logprobs, ch.top_logprobs, req.top_logprobs or 0,
                                                 tok_str)
@@ -356,7 +406,7 @@ def openai_router(srv: Serving) -> APIRouter:
         if req.stream:
             deltas = srv.stream(job.rows, job.params, job.choices)
             return _stream_response(_chat_events(srv, req, deltas, req.n, job.rows[0], job.stops,
-                                                 req.top_logprobs or 0))
+                                                 req.top_logprobs or 0, job.tools))
         results = await srv.run(job.rows, job.params, job.choices, request=raw)
         return _chat_body(srv, req, job, results)
 

@@ -110,16 +110,28 @@ class ChatLogprobs(_Out):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(_Out):
+    name: str
+    arguments: str = Field(description="the call's arguments: a JSON object, as a string")
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessageOut(_Out):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls only")
+    tool_calls: list[ToolCallOut] = Field(None, description="with tools: the calls parsed out of the answer")
 
 
 class ChatChoice(_Out):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]
     stop_reason: StopReason
     token_ids: list[int] = Field(None, description="with return_token_ids")
     output_token_versions: list[int] = Field(None, description="with return_token_ids: weight version per token")

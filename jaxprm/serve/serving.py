@@ -32,6 +32,7 @@ from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, Completion, SamplingParams
 from jaxprm.serve.threads import awaitable, post
 from jaxprm.serve.weights import resolve_roots
+from rollout.tool_calls import TOOL_CALL_PARSERS, get_parser, template_renders_tools
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
 
@@ -68,6 +69,8 @@ class ServeConfig:
       window_factor: ratio of successive KV window buckets (see ``Engine``; ``None``: by model size).
       shared_prefix_attention: decode rows' common cached prefix gathered once per batch (see
         ``Engine``; ``None``: by model size).
+      tool_call_parser: how tool calls are read out of chat answers to requests with ``tools``
+        (``rollout.tool_calls``: ``hermes`` for Qwen2.5/3 and Hermes templates, ``llama3_json``).
     """
 
     model_name: str = "jaxprm"
@@ -93,9 +96,12 @@ class ServeConfig:
     enable_prefix_cache: bool = True
     window_factor: float | None = None
     shared_prefix_attention: bool | None = None
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self):
         owner = type(self)
+        require(self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
+                f"must be one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}", owner)
         require(self.logprobs_mode in ("raw", "processed"), "logprobs_mode",
                 f"must be 'raw' or 'processed', got {self.logprobs_mode!r}", owner)
         require(self.api_key is None or bool(self.api_key.strip()), "api_key",
@@ -141,6 +147,20 @@ class Serving:
         self.created = int(time.time())
         self.swap_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
+        self.tool_parser = get_parser(config.tool_call_parser)
+        self._renders_tools: bool | None = None
+
+    def check_renders_tools(self) -> None:
+        """A 400 naming the model unless its chat template shows ``tools`` (probed once)."""
+        if self._renders_tools is None:
+            def render(messages, tools):
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                          tools=tools)
+            self._renders_tools = template_renders_tools(render)
+        if not self._renders_tools:
+            raise APIError(f"tools: the chat template of model {self.config.model_name!r} does not render tools "
+                           "(it ignores the 'tools' variable); serve a model whose template supports them, "
+                           "e.g. Qwen2.5/3 or Llama 3.1+", param="tools")
 
     # tokens <-> text ---------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
