@@ -14,6 +14,11 @@ with ``return_token_ids`` each choice also has ``output_token_versions`` (per ou
 ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens served from the prefix cache
 (of each prompt's first choice).
 
+* ``/v1/responses``: the Responses API as a translation to a chat turn (``rollout.responses_api``):
+  ``instructions`` and ``input`` items (messages, ``function_call``, ``function_call_output``),
+  function tools, ``previous_response_id`` (the last 10,000 responses are kept); ``stream=true``
+  answers with the API's event sequence once the turn is generated (not token by token).
+
 ``stream=true`` answers with server-sent events in the OpenAI chunk format (``text_completion`` /
 ``chat.completion.chunk`` objects, ``data: [DONE]`` at the end; ``stream_options.include_usage``
 adds a last chunk with ``usage``); stop strings are applied while streaming (see
@@ -29,15 +34,18 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.responses import StreamingResponse
 
 from jaxprm.serve.errors import APIError
 from jaxprm.serve.openapi import errors
-from jaxprm.serve.protocol import ChatCompletionRequest, CompletionRequest
-from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, CompletionResponse, ModelList
+from jaxprm.serve.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, CompletionResponse, ModelList, ResponseBody
 from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
+from rollout.responses_api import conversation, response_events, response_object, to_chat_body
 from rollout.tool_calls import StreamSplitter, ToolRequest, check_tool_messages, parse_tool_request
 
 __all__ = ["openai_router"]
@@ -409,5 +417,37 @@ def openai_router(srv: Serving) -> APIRouter:
                                                  req.top_logprobs or 0, job.tools))
         results = await srv.run(job.rows, job.params, job.choices, request=raw)
         return _chat_body(srv, req, job, results)
+
+    @router.post("/v1/responses", response_model=ResponseBody, response_model_exclude_unset=True,
+                 responses={200: {"content": EVENT_STREAM, "description": "a response (stream: events)"},
+                            **generation_errors})
+    async def responses(req: ResponsesRequest, raw: Request):
+        def error(message: str, param: str) -> APIError:
+            return APIError(message, param=param)
+
+        body = req.model_dump(exclude_none=True)
+        prev = req.previous_response_id
+        history = srv.responses.get(prev, None, error) if prev is not None else None
+        chat = to_chat_body(body, history, error)
+        chat["stream"] = False
+        try:
+            creq = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as exc:  # the translated input: a 400 like any request body
+            raise RequestValidationError(exc.errors()) from None
+        job = await _parse_chat(srv, creq)
+        results = await srv.run(job.rows, job.params, job.choices, request=raw)
+        answer = _chat_body(srv, creq, job, results)
+        choice = answer["choices"][0]
+        rid = f"resp_{uuid.uuid4().hex}"
+        srv.responses.put(rid, None, conversation(chat["messages"], choice["message"], req.instructions))
+        obj = response_object(rid, config.model_name, choice["message"], body,
+                              input_tokens=answer["usage"]["prompt_tokens"],
+                              output_tokens=answer["usage"]["completion_tokens"],
+                              cached_tokens=answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+                              truncated=choice["finish_reason"] == "length",
+                              extra={"weight_version": answer["weight_version"]})
+        if req.stream:
+            return _stream_response(iter(list(response_events(obj))))
+        return obj
 
     return router

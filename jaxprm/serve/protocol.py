@@ -22,6 +22,7 @@ __all__ = [
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
+    "ResponsesRequest",
     "GenerateRequest",
     "SGLangSamplingParams",
     "UpdateWeightsFromDiskRequest",
@@ -163,6 +164,29 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None  # checked by rollout.tool_calls (messages that name the field)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+
+class ResponsesRequest(_Body):
+    """``POST /v1/responses`` (translated by ``rollout.responses_api``; fields it ignores, such as
+    ``store``, ``include`` or ``reasoning``, are accepted and dropped)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=-_MAX_SEED - 1, le=_MAX_SEED)] | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class SGLangSamplingParams(_Base):

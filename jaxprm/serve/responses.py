@@ -23,7 +23,7 @@ __all__ = [
     "ChatTokenLogprob", "ChatLogprobs", "ChatMessageOut", "ChatChoice", "ChatCompletionResponse", "ModelCard",
     "ModelList", "Health", "FinishStop", "FinishLength", "FinishAbort", "GenerateMeta", "GenerateOutput",
     "WeightVersion", "ModelInfo", "PauseResult", "ContinueResult", "FlushResult", "UpdateWeightsResult",
-    "UpdateWeightsFailure",
+    "UpdateWeightsFailure", "ToolCallOut", "ResponseBody",
 ]
 
 #: The OpenAPI ``content`` entry of a streamed answer: the schema is that of each server-sent event
@@ -146,6 +146,66 @@ class ChatCompletionResponse(_Out):
     usage: Usage
     weight_version: int
     prompt_token_ids: list[int] = Field(None, description="with return_token_ids")
+
+
+# /v1/responses ---------------------------------------------------------------------------------
+
+class ResponseOutputText(_Out):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseMessageItem(_Out):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: Literal["completed", "incomplete"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionCallItem(_Out):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str = Field(description="a JSON object, as a string")
+    status: Literal["completed"]
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class ResponseBody(_Out):
+    """A ``response`` object (``rollout.responses_api.response_object``)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: float
+    model: str
+    status: Literal["completed", "incomplete"]
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    output: list[Annotated[ResponseMessageItem | ResponseFunctionCallItem, Field(discriminator="type")]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    temperature: float | None
+    top_p: float | None
+    tool_choice: str | dict[str, Any]
+    tools: list[Any]
+    text: dict[str, Any]
+    truncation: str
+    metadata: dict[str, Any]
+    usage: ResponseUsage
+    weight_version: int
 
 
 # /v1/models, /health ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.sampling import MAX_STOP_TOKEN_IDS, Completion, SamplingParams
 from jaxprm.serve.threads import awaitable, post
 from jaxprm.serve.weights import resolve_roots
+from rollout.responses_api import ResponseStore
 from rollout.tool_calls import TOOL_CALL_PARSERS, get_parser, template_renders_tools
 
 __all__ = ["ServeConfig", "Serving", "Choice", "build_choices", "sampling_params", "MAX_TOP_K", "GREEDY_BELOW"]
@@ -148,6 +149,7 @@ class Serving:
         self.swap_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
         self.tool_parser = get_parser(config.tool_call_parser)
+        self.responses = ResponseStore(capacity=10_000)  # previous_response_id -> conversation
         self._renders_tools: bool | None = None
 
     def check_renders_tools(self) -> None:

@@ -8,6 +8,8 @@ Routes (``Authorization: Bearer <key>``; PROXY.md has the full table):
 ``POST /v1/chat/completions``  session  OpenAI chat request (``stream`` allowed) -> OpenAI answer, recorded;
 (and ``/chat/completions``)             the admin key records into ``__hitl__``; no / an unknown key: 401
                                         (forwarded unrecorded when the proxy passes through)
+``POST /v1/responses``         session  OpenAI Responses request (``stream``, function tools, ``previous_response_id``
+(and ``/responses``)                    within the session) -> ``response`` object, recorded like a chat turn
 ``POST /rl/set_reward``        session  ``{interaction_id?, reward?, rewards?: {id: r}, env_states?: {id: {}}}``
                                         -> ``{interaction_count, session_id, trajectory_id, trajectory_ready,
                                         ready_transition}``
@@ -36,12 +38,13 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.proxy.chat import chat_answer, parse_chat_request, stream_chunks
 from rollout.proxy.config import ProxyError
 from rollout.proxy.service import RecordingProxy
 from rollout.proxy.sessions import Session
+from rollout.responses_api import response_events
 
 __all__ = ["create_app", "ChatEndpoint", "CHAT_PATHS", "MAX_CHAT_BODY_BYTES"]
 
@@ -163,6 +166,24 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
         return JSONResponse({"object": "list", "data": [{"id": proxy.config.model_name, "object": "model",
                                                           "created": 0, "owned_by": "jaxprm"}]})
 
+    async def responses(request: Request):
+        """``POST /v1/responses`` (``RecordingProxy.respond``): the session key as for chat."""
+        key = _bearer(request)
+        session = store.session_for_key(key)
+        if session is None and not proxy.config.passthrough:
+            raise ProxyError(401, "missing Authorization: Bearer <session key>" if key is None
+                             else "unknown or expired session key (start one with /rl/start_session)")
+        if session is not None:
+            session.check_open()
+        body = await _json(request)
+        out = await proxy.respond(session, body)
+        if isinstance(body, dict) and body.get("stream"):
+            return StreamingResponse(iter(list(response_events(out))), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        return JSONResponse(out)
+
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/responses", responses, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/models", models, methods=["GET"])
 

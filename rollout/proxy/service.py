@@ -36,11 +36,12 @@ import numpy as np
 
 from rollout.chat import ChatTokenizer
 from rollout.client import GenerationClient, GenerationError
-from rollout.proxy.chat import ChatRequest
+from rollout.proxy.chat import ChatRequest, parse_chat_request
 from rollout.proxy.config import ProxyConfig, ProxyError
 from rollout.proxy.export import PRMStats, ProxyRow, concat_rows, individual_rows, score_sessions, trajectory_tree
 from rollout.proxy.sessions import Record, Session, SessionStore
 from rollout.proxy.tokenize import PromptMaker
+from rollout.responses_api import ResponseStore, conversation, response_object, to_chat_body
 from rollout.tool_calls import ParsedOutput, get_parser, template_renders_tools
 from scorers.base import BaseScorer
 from scorers.runner import PRMRunner
@@ -160,6 +161,7 @@ class RecordingProxy:
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._token_text_cache: dict[int, str] = {}
         self._tools_ok: bool | None = None
+        self.responses = ResponseStore()  # previous_response_id -> (session, conversation)
 
     def _forget(self, session: Session) -> None:
         """A removed session's sticky upstream route is released (the client's table stays small)."""
@@ -330,6 +332,24 @@ class RecordingProxy:
             return f"chatcmpl-passthrough-{self.counters['passthrough']}", resp, message, gen.http_s
         session.complete(rec, resp, prefill + text, message)
         return rec.id, resp, rec.output_message, gen.http_s
+
+    async def respond(self, session: Session | None, body: Any) -> dict[str, Any]:
+        """One ``POST /v1/responses`` turn (``rollout.responses_api``): translated to a chat turn,
+        recorded exactly like one (the response ``id`` is the interaction id), and stored for
+        ``previous_response_id`` (within the same session)."""
+        def error(message: str, param: str) -> ProxyError:
+            return ProxyError(400, message, param=param)
+
+        if not isinstance(body, Mapping):
+            raise error("the request body must be a JSON object", "body")
+        prev = body.get("previous_response_id")
+        history = self.responses.get(prev, session, error) if prev is not None else None
+        req = parse_chat_request(to_chat_body(body, history, error))
+        rid, resp, message, _ = await self.chat(session, req, owned=True)
+        self.responses.put(rid, session, conversation(req.messages, message, body.get("instructions")))
+        truncated = resp.stop_reason == "length" and not message.get("tool_calls")
+        return response_object(rid, self.config.model_name, message, body, input_tokens=resp.input_len,
+                               output_tokens=resp.output_len, truncated=truncated)
 
     def _renders_tools(self) -> bool:
         """Whether the tokenizer's chat template shows ``tools`` to the model (probed once)."""

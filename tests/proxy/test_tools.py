@@ -162,3 +162,41 @@ def test_a_template_without_tools_is_a_400_naming_it():
 
     err = run(plain, ["hi"], go)
     assert "JinjaChatTokenizer" in str(err)
+
+
+def test_responses_api_with_function_tools_and_previous_response_id(tok):
+    """The Responses API: a call, its output by previous_response_id, the answer; streamed too; the
+    turns recorded as one conversation, token-exact like chat."""
+    tool = {"type": "function", "name": "move", "description": "Move one cell.",
+            "parameters": MOVE["function"]["parameters"]}
+
+    async def go(srv):
+        _, (s,) = srv.proxy.start_session("responses")
+        async with openai.AsyncOpenAI(base_url=srv.base_url, api_key=s.api_key, max_retries=0) as client:
+            first = await client.responses.create(model="m", instructions=SYS["content"], input=USER["content"],
+                                                  tools=[tool])
+            call = first.output[0]
+            second = await client.responses.create(
+                model="m", instructions=SYS["content"], previous_response_id=first.id, tools=[tool],
+                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "P moved right."}])
+            events = [e async for e in await client.responses.create(
+                model="m", instructions=SYS["content"], input=USER["content"], tools=[tool], stream=True)]
+            with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+                await client.responses.create(model="m", previous_response_id="resp_unknown", input="x")
+            with pytest.raises(openai.BadRequestError, match="only function tools"):
+                await client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
+        return s, first, second, events
+
+    s, first, second, events = run(tok, [CALL, "Done."], go)
+    assert first.status == "completed" and [o.type for o in first.output] == ["function_call"]
+    assert first.output[0].name == "move" and json.loads(first.output[0].arguments) == {"direction": "Right"}
+    assert second.output_text == "Done." and second.usage.input_tokens > first.usage.input_tokens
+    r1, r2, r3 = s.records.values()
+    assert first.id == r1.id and second.id == r2.id and r2.parent is r1  # previous_response_id continues the record
+    head = np.concatenate([r1.response.input_tokens, r1.response.output_tokens])
+    assert np.array_equal(r2.response.input_tokens[:len(head)], head)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds and r3.parent is None
+    done = events[-1].response
+    assert done.id == r3.id and done.output[0].type == "function_call"

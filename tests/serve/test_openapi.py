@@ -24,7 +24,7 @@ def _operations(doc):
 
 def test_errors_are_documented_as_answered(doc):
     ops = _operations(doc)
-    assert len(ops) == 13
+    assert len(ops) == 14
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     error_ref = {"$ref": "#/components/schemas/ErrorBody"}
     for path, method, op in ops:
@@ -120,6 +120,11 @@ RICH = [  # every optional part of the answers: token ids, log-probs, alternativ
                    "sampling_params": {"max_new_tokens": 3, "top_k": 1, "stop": "z"}}),
     ("/generate", {"input_ids": [[5, 6], [7]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 2}}),
     ("/generate", {"text": "hi", "stream": True, "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}),
+    ("/v1/responses", {"instructions": "be brief", "max_output_tokens": 3, "input": [  # (tools: too long a prompt)
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True}),
 ]
 
 
@@ -142,6 +147,6 @@ def test_schemathesis_finds_no_server_error(fuzz_server):
     from benchmarks.fuzz_server import fuzz
 
     report = fuzz(fuzz_server.url, max_examples=150, seed=19)
-    assert report["cases"] >= 150 and len(report["operations"]) == 13
+    assert report["cases"] >= 150 and len(report["operations"]) == 14
     assert report["server_errors"] == 0 and report["failures"] == [], report["failures"][:5]
     assert report["statuses"].get("200", 0) > 0 and report["statuses"].get("400", 0) > 0

@@ -22,7 +22,7 @@ MOVE = {"type": "function", "function": {"name": "move", "description": "Move on
     "required": ["direction"]}}}
 MSGS = [{"role": "user", "content": "P _\n_ G"}]
 CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "Right"}}\n</tool_call>'
-KW = dict(sampler_kwargs={**SAMPLER_KW, "prompt_buckets": (512,), "new_token_buckets": (64,)})
+KW = dict(sampler_kwargs={**SAMPLER_KW, "prompt_buckets": (640,), "new_token_buckets": (64,)})
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,25 @@ def http_for():
     yield make
     for c in clients:
         c.close()
+
+
+def test_responses_api_calls_continue_and_stream(client):
+    tool = {"type": "function", "name": "move", "description": "Move one cell.",
+            "parameters": MOVE["function"]["parameters"]}
+    first = client.responses.create(model="tiny-tools", input=MSGS[0]["content"], tools=[tool], temperature=0,
+                                    max_output_tokens=64)
+    (call,) = first.output
+    assert first.status == "completed" and call.type == "function_call" and call.name == "move"
+    assert json.loads(call.arguments) == {"direction": "Right"} and call.call_id.startswith("call_")
+    second = client.responses.create(model="tiny-tools", previous_response_id=first.id, tools=[tool], temperature=0,
+                                     max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "ok"}])
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    events = list(client.responses.create(model="tiny-tools", input=MSGS[0]["content"], tools=[tool],
+                                          temperature=0, max_output_tokens=64, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.output[0].arguments == call.arguments
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny-tools", previous_response_id="resp_nope", input="x")
+    with pytest.raises(openai.BadRequestError, match="only function tools"):
+        client.responses.create(model="tiny-tools", input="x", tools=[{"type": "file_search"}])
