@@ -1,7 +1,7 @@
 """Per-turn overhead of the recording proxy against calling the upstream directly.
 
     python -m benchmarks.proxy [--agents 1 64] [--gen-ms 0 500] [--turns 8] [--samples 400]
-                               [--anchor REV] [--json benchmarks/results/proxy_cpu.json]
+                               [--kinds chat tools] [--anchor REV] [--json benchmarks/results/proxy_cpu.json]
 
 Processes on loopback: the scripted upstream (``python -m rollout.testing``: a deterministic policy
 and no model, so the proxy's cost is not hidden behind generation; ``--gen-ms`` makes each of its
@@ -26,6 +26,12 @@ moments, and each proxied turn has a direct twin. Reported per concurrency:
 - ``own_p50`` / ``own_p99``: the proxy's own wall time per turn as it measures it (``/rl/stats``:
   the chat route from the request body to the built answer, minus the upstream wait; under load it
   includes waiting for the event loop).
+
+``--kinds``: ``chat`` turns answer a fenced move; ``tools`` turns send a ``move`` function tool,
+the upstream answers a Hermes tool call (the tools template on both sides), the proxy parses it
+into ``message.tool_calls`` and the agent answers with a ``tool`` message, so the overhead includes
+the parser, the tools rendered into every concat continuation and the tool-message checks. Each
+kind runs its own upstream and proxy processes, one after the other; rows carry ``kind``.
 
 ``--gen-ms`` is per concurrency (one value for all, or one per ``--agents`` entry). At 64 agents a
 zero-time upstream is saturated by this machine's own CPUs, and then the latencies measure the
@@ -53,6 +59,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "bench-admin"
 SYSTEM = "FrozenLake: reach G, avoid holes O; P is you, _ is ice. Answer one move: ```Left```, ```Down```."
+MOVE = {"type": "function", "function": {"name": "move", "description": "Move one cell.", "parameters": {
+    "type": "object", "properties": {"direction": {"type": "string", "enum": ["Left", "Down", "Right", "Up"]}},
+    "required": ["direction"]}}}
+KINDS = {"chat": ("hashed", "rollout.testing:make_test_tokenizer"),
+         "tools": ("tools", "rollout.testing:make_tools_test_tokenizer")}  # kind -> (upstream policy, tokenizer)
 
 
 def _free_port() -> int:
@@ -95,10 +106,12 @@ def _first_message(i: int) -> list[dict[str, str]]:
             {"role": "user", "content": f"Map:\nP _ _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nAgent {i}. What is your move?"}]
 
 
-async def _agents(arms: dict[str, tuple[str, list[str]]], n: int, turns: int, http, offset: int) -> dict[str, list[float]]:
+async def _agents(arms: dict[str, tuple[str, list[str]]], n: int, turns: int, http, offset: int,
+                  tools: bool = False) -> dict[str, list[float]]:
     """``n`` agents play ``turns`` turns; each turn calls every arm (rotating order). ``arms``:
-    name -> (base URL, one key per agent). The ``proxy`` arm's answer continues the conversation.
-    Returns each arm's latencies (s), in (agent, turn) order."""
+    name -> (base URL, one key per agent). The ``proxy`` arm's answer continues the conversation
+    (``tools``: its tool call, answered by a tool message). Returns each arm's latencies (s), in
+    (agent, turn) order."""
     import openai
 
     names = list(arms)
@@ -114,22 +127,29 @@ async def _agents(arms: dict[str, tuple[str, list[str]]], n: int, turns: int, ht
             for a in names[k:] + names[:k]:
                 t0 = time.perf_counter()
                 try:
-                    r = await clients[a].chat.completions.create(model="m", messages=msgs, max_tokens=16,
-                                                                 seed=i * 1000 + t)
+                    r = await clients[a].chat.completions.create(model="m", messages=msgs, seed=i * 1000 + t,
+                                                                 **({"tools": [MOVE], "max_tokens": 64} if tools
+                                                                    else {"max_tokens": 16}))
                 except Exception as e:
                     raise RuntimeError(f"agent {i} turn {t}: the {a} arm failed: {type(e).__name__}: {e}") from e
                 lat[a][i * turns + t] = time.perf_counter() - t0
                 if a == "proxy":
-                    answer = r.choices[0].message.content
-            msgs = [*msgs, {"role": "assistant", "content": answer},
-                    {"role": "user", "content": f"You moved.\nMap:\n_ P _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nTurn {t}."}]
+                    answer = r.choices[0].message.model_dump(exclude_none=True)
+            observation = f"You moved.\nMap:\n_ P _ O\n_ O _ _\n_ _ _ O\nO _ _ G\nTurn {t}."
+            if tools:
+                if not answer.get("tool_calls"):
+                    raise RuntimeError(f"agent {i} turn {t}: the proxy answered no tool call: {answer}")
+                reply = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": observation}
+            else:
+                reply = {"role": "user", "content": observation}
+            msgs = [*msgs, answer, reply]
 
     await asyncio.gather(*(agent(i) for i in range(n)))
     return {a: [x for x in v if x is not None] for a, v in lat.items()}
 
 
 async def _bench(upstream: str, proxies: dict[str, tuple[str, int]], agents: list[int], gen_ms: list[float],
-                 turns: int, samples: int) -> list[dict]:
+                 turns: int, samples: int, kind: str = "chat") -> list[dict]:
     import httpx
 
     out = []
@@ -153,7 +173,7 @@ async def _bench(upstream: str, proxies: dict[str, tuple[str, int]], agents: lis
                     for url, _ in proxies.values():
                         await http.get(url + "/rl/stats?reset=1", headers=admin)
                 c0 = {a: _cpu_s(pid) for a, (_, pid) in proxies.items()}
-                got = await _agents(arms, n, turns if r else 2, http, offset=r)
+                got = await _agents(arms, n, turns if r else 2, http, offset=r, tools=kind == "tools")
                 c1 = {a: _cpu_s(pid) for a, (_, pid) in proxies.items()}
                 if r:
                     for a in lat:
@@ -164,7 +184,7 @@ async def _bench(upstream: str, proxies: dict[str, tuple[str, int]], agents: lis
                 for a, (url, _) in proxies.items():
                     await http.post(url + "/export_trajectories", headers=admin, json={
                         "session_ids": [f"b{n}-{r}-{i}" for i in range(n)], "discard_trajectory": True})
-            row: dict = {"agents": n, "gen_ms": delay, "turns": len(lat["direct"]), "loadavg_before": load_before,
+            row: dict = {"kind": kind, "agents": n, "gen_ms": delay, "turns": len(lat["direct"]), "loadavg_before": load_before,
                          "loadavg_after": os.getloadavg()}
             for a, v in lat.items():
                 row[f"{a}_p50_ms"], row[f"{a}_p99_ms"] = _ms(v, 50), _ms(v, 99)
@@ -190,7 +210,7 @@ _COLS = [("direct_p50_ms", "direct50"), ("direct_p99_ms", "direct99"), ("proxy_p
 
 def _print_header(proxies: list[str]) -> None:
     extra = "".join(f" {'anc_ovh50':>9} {'anc_cpu':>9}" for a in proxies if a != "proxy")
-    print(f"{'agents':>6} {'gen_ms':>6} {'turns':>6} " + " ".join(f"{h:>9}" for _, h in _COLS) + extra
+    print(f"{'kind':>5} {'agents':>6} {'gen_ms':>6} {'turns':>6} " + " ".join(f"{h:>9}" for _, h in _COLS) + extra
           + "   (ms per turn; load average at the end)", flush=True)
 
 
@@ -198,7 +218,7 @@ def _print_row(row: dict, proxies: list[str]) -> None:
     cells = " ".join(f"{row[k]:>9.2f}" if row.get(k) is not None else f"{'-':>9}" for k, _ in _COLS)
     extra = "".join(f" {row[f'{a}_overhead_p50_ms']:>9.2f} {row[f'{a}_cpu_ms_per_turn']:>9.2f}"
                     for a in proxies if a != "proxy")
-    print(f"{row['agents']:>6} {row['gen_ms']:>6.0f} {row['turns']:>6} {cells}{extra}   "
+    print(f"{row['kind']:>5} {row['agents']:>6} {row['gen_ms']:>6.0f} {row['turns']:>6} {cells}{extra}   "
           f"load {row['loadavg_after'][0]:.1f}", flush=True)
 
 
@@ -212,6 +232,37 @@ def _export_rev(rev: str, into: Path) -> None:
         t.extractall(into, filter="data")
 
 
+def _run_kind(kind: str, trees: dict[str, Path], args, gen_ms: list[float], env: dict[str, str], path) -> list[dict]:
+    """Start the scripted upstream and one proxy per tree for ``kind``, run the agents, stop them."""
+    policy, tokenizer = KINDS[kind]
+    up_port = _free_port()
+    up_url = f"http://127.0.0.1:{up_port}"
+    procs: list[subprocess.Popen] = []
+    proxies: dict[str, tuple[str, int]] = {}
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(up_port), "--policy",
+                                       policy], cwd=ROOT, env=env))
+        _wait_up(up_url, procs[-1])
+        for name, tree in trees.items():
+            port = _free_port()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang", "--tokenizer",
+                 tokenizer, "--port", str(port), "--default-max-tokens", "16",
+                 "--log-level", "error"], cwd=tree, env=dict(env, PYTHONPATH=path(tree))))
+            proxies[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
+            _wait_up(proxies[name][0], procs[-1])
+        _print_header(list(proxies))
+        return asyncio.run(_bench(up_url, proxies, args.agents, gen_ms, args.turns, args.samples, kind))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.proxy", description=__doc__.split("\n")[0])
     p.add_argument("--agents", type=int, nargs="+", default=[1, 64])
@@ -219,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="upstream answer time per concurrency (default: 0 for one agent, 500 otherwise)")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--samples", type=int, default=400, help="timed turns per arm and concurrency (at least)")
+    p.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS),
+                   help="chat (fenced moves) and/or tools (move function calls parsed by the proxy)")
     p.add_argument("--anchor", default=None, help="also time the proxy of this git revision (e.g. main)")
     p.add_argument("--json", default="benchmarks/results/proxy_cpu.json")
     args = p.parse_args(argv)
@@ -230,42 +283,21 @@ def main(argv: list[str] | None = None) -> int:
     inherited = os.environ.get("PYTHONPATH", "")
     path = lambda tree: os.pathsep.join(p for p in (str(tree), inherited) if p)  # noqa: E731
     env = dict(os.environ, PYTHONPATH=path(ROOT), JAX_PLATFORMS="cpu", JAXPRM_PROXY_ADMIN_KEY=ADMIN)
-    up_port = _free_port()
-    up_url = f"http://127.0.0.1:{up_port}"
-    procs: list[subprocess.Popen] = []
-    proxies: dict[str, tuple[str, int]] = {}
-    tmp = tempfile.TemporaryDirectory(prefix="bench-proxy-")
-    try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(up_port), "--policy",
-                                       "hashed"], cwd=ROOT, env=env))
-        _wait_up(up_url, procs[-1])
-        trees = {"proxy": ROOT}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
+        anchor_dir = None
         if args.anchor:
-            anchor_dir = Path(tmp.name) / "anchor"
+            anchor_dir = Path(tmp) / "anchor"
             anchor_dir.mkdir()
             _export_rev(args.anchor, anchor_dir)
-            trees["anchor"] = anchor_dir
-        for name, tree in trees.items():
-            port = _free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang", "--tokenizer",
-                 "rollout.testing:make_test_tokenizer", "--port", str(port), "--default-max-tokens", "16",
-                 "--log-level", "error"], cwd=tree, env=dict(env, PYTHONPATH=path(tree))))
-            proxies[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
-            _wait_up(proxies[name][0], procs[-1])
-        _print_header(list(proxies))
-        rows = asyncio.run(_bench(up_url, proxies, args.agents, gen_ms, args.turns, args.samples))
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        tmp.cleanup()
-    result = {"benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns, "anchor": args.anchor,
-              "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine()}
+        for kind in args.kinds:  # the anchor's proxy may predate tools: it runs the chat kind only
+            trees = {"proxy": ROOT, **({"anchor": anchor_dir} if anchor_dir is not None and kind == "chat" else {})}
+            rows += _run_kind(kind, trees, args, gen_ms, env, path)
+    from benchmarks.provenance import provenance
+
+    result = {**provenance(), "benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns,
+              "anchor": args.anchor, "kinds": args.kinds, "cpus": os.cpu_count(),
+              "python": platform.python_version(), "machine": platform.machine()}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.json}")

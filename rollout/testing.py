@@ -34,13 +34,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxprm.inprocess import ThreadedServer
-from rollout.chat import CHATML_TEMPLATE, JinjaChatTokenizer
+from rollout.chat import CHATML_TEMPLATE, TOOLS_TEMPLATE, JinjaChatTokenizer
 
 __all__ = [
     "make_test_tokenizer",
     "ServerScript",
     "ScriptedServer",
     "fixed_text_policy",
+    "make_tools_test_tokenizer",
+    "tool_call_text",
     "turn_script_policy",
     "hashed_action_policy",
     "frozenlake_policy",
@@ -132,9 +134,21 @@ def turn_script_policy(tokenizer: JinjaChatTokenizer, turns: Sequence[str]) -> P
 ACTIONS = ("Left", "Down", "Right", "Up")
 
 
-def hashed_action_policy(tokenizer: JinjaChatTokenizer, *, p_invalid: float = 0.0, prose: bool = False) -> Policy:
-    """A fenced action chosen by a hash of (prompt, seed): deterministic, seed-dependent."""
-    enc = {a: tokenizer.encode(f"```{a}```") for a in ACTIONS}
+def make_tools_test_tokenizer() -> JinjaChatTokenizer:
+    """:func:`make_test_tokenizer` with ``rollout.chat.TOOLS_TEMPLATE`` (Hermes-style function tools)."""
+    return make_test_tokenizer(template=TOOLS_TEMPLATE)
+
+
+def tool_call_text(action: str) -> str:
+    """A Hermes ``move`` call: ``<tool_call>{"name": "move", "arguments": {"direction": action}}</tool_call>``."""
+    return '<tool_call>\n{"name": "move", "arguments": {"direction": "' + action + '"}}\n</tool_call>'
+
+
+def hashed_action_policy(tokenizer: JinjaChatTokenizer, *, p_invalid: float = 0.0, prose: bool = False,
+                         tools: bool = False) -> Policy:
+    """A fenced action (``tools``: a ``move`` tool call) chosen by a hash of (prompt, seed):
+    deterministic, seed-dependent."""
+    enc = {a: tokenizer.encode(tool_call_text(a) if tools else f"```{a}```") for a in ACTIONS}
     bad = tokenizer.encode("I am not sure.")
     lead = tokenizer.encode("I will move. ")
 
@@ -420,19 +434,23 @@ class ScriptedServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m rollout.testing --port P [--policy frozenlake|hashed] [--delay S]``: serve until killed."""
+    """``python -m rollout.testing --port P [--policy frozenlake|hashed|tools] [--delay S]``: serve until
+    killed (``tools``: hashed ``move`` tool calls with the tools template)."""
     import argparse
 
     import uvicorn
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--policy", choices=["frozenlake", "hashed"], default="frozenlake")
+    ap.add_argument("--policy", choices=["frozenlake", "hashed", "tools"], default="frozenlake")
     ap.add_argument("--p-good", type=float, default=0.7)
     ap.add_argument("--delay", type=float, default=0.0)
     args = ap.parse_args(argv)
-    tok = make_test_tokenizer()
-    pol = frozenlake_policy(tok, p_good=args.p_good) if args.policy == "frozenlake" else hashed_action_policy(tok)
+    tok = make_tools_test_tokenizer() if args.policy == "tools" else make_test_tokenizer()
+    if args.policy == "frozenlake":
+        pol = frozenlake_policy(tok, p_good=args.p_good)
+    else:
+        pol = hashed_action_policy(tok, tools=args.policy == "tools")
     script = ServerScript(policy=pol, delay_s=args.delay)
     uvicorn.run(build_app(script, tok), host="127.0.0.1", port=args.port, log_level="error", lifespan="off",
                 timeout_keep_alive=75)
