@@ -153,15 +153,23 @@ class PromptBuilder:
     (the end-of-turn token is skipped when the sampler already emitted it) followed by the
     rendering of ``new_messages`` and the generation prompt.
 
+    ``tools`` (function tools) are rendered into every prompt, and ``prefill`` (text, e.g. the
+    opening markup of a tool call) is appended after every generation prompt, as prompt tokens:
+    the format of a tool-calling environment (``rollout.envs.tool_moves``).
+
     The builder is stateless and shareable between concurrent branches.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer):
+    def __init__(self, tokenizer: ChatTokenizer, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                 prefill: str = ""):
         for attr in ("encode", "apply_chat_template", "eos_token_id"):
             if not hasattr(tokenizer, attr):
                 raise TypeError(f"tokenizer lacks {attr!r}; it must provide encode, apply_chat_template, eos_token_id")
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self.tools = list(tools) if tools else None
+        self.prefill = prefill
+        self._prefill_ids = list(tokenizer.encode(prefill)) if prefill else []
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}]
         text = tokenizer.apply_chat_template(probe, add_generation_prompt=False)
         if _SENTINEL not in text:
@@ -180,8 +188,10 @@ class PromptBuilder:
 
     def initial(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
                 ) -> list[int]:
-        """Tokens of the first prompt: ``encode(render(messages, add_generation_prompt=True))``."""
-        return list(self.tokenizer.encode(self.render(messages, True, tools)))
+        """Tokens of the first prompt: ``encode(render(messages, add_generation_prompt=True))`` (then
+        the prefill); ``tools`` default to the builder's."""
+        tools = self.tools if tools is None else tools
+        return [*self.tokenizer.encode(self.render(messages, True, tools)), *self._prefill_ids]
 
     def continuation(
         self,
@@ -196,9 +206,10 @@ class PromptBuilder:
         ``messages`` is the conversation before the assistant turn, ``assistant_text`` its content.
         Returns ``close' + encode(render(all + new, gen=True)[len(render(all, gen=False)):])`` where
         ``close'`` is the template's closing of the assistant turn without the end-of-turn token
-        if ``sampled`` already ends with it. ``tools`` are rendered in both (the assistant turn's own
-        tool calls are in ``assistant_text``, as generated).
+        if ``sampled`` already ends with it, then the prefill. ``tools`` (default: the builder's) are
+        rendered in both (the assistant turn's own tool calls are in ``assistant_text``, as generated).
         """
+        tools = self.tools if tools is None else tools
         with_asst = [*messages, {"role": "assistant", "content": assistant_text}]
         before = self.render(with_asst, False, tools)
         after = self.render([*with_asst, *new_messages], True, tools)
@@ -217,7 +228,7 @@ class PromptBuilder:
         elif close and close[0] != self.eos_token_id and not ends_eos:
             # Template closes turns with text that is not the EOS id: still end the turn explicitly.
             close = [self.eos_token_id, *close]
-        return close + list(self.tokenizer.encode(delta))
+        return [*close, *self.tokenizer.encode(delta), *self._prefill_ids]
 
 
 def check_extends(previous: Sequence[int], new: Sequence[int]) -> None:

@@ -145,10 +145,11 @@ def tool_call_text(action: str) -> str:
 
 
 def hashed_action_policy(tokenizer: JinjaChatTokenizer, *, p_invalid: float = 0.0, prose: bool = False,
-                         tools: bool = False) -> Policy:
-    """A fenced action (``tools``: a ``move`` tool call) chosen by a hash of (prompt, seed):
-    deterministic, seed-dependent."""
-    enc = {a: tokenizer.encode(tool_call_text(a) if tools else f"```{a}```") for a in ACTIONS}
+                         answer: Callable[[str], str] | None = None) -> Policy:
+    """An action chosen by a hash of (prompt, seed): deterministic, seed-dependent. ``answer(action)``
+    is the text written for it (default: the fenced move; e.g. :func:`tool_call_text`, or
+    ``rollout.envs.tool_moves.demo_text`` after a prefilled call)."""
+    enc = {a: tokenizer.encode(answer(a) if answer is not None else f"```{a}```") for a in ACTIONS}
     bad = tokenizer.encode("I am not sure.")
     lead = tokenizer.encode("I will move. ")
 
@@ -450,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.policy == "frozenlake":
         pol = frozenlake_policy(tok, p_good=args.p_good)
     else:
-        pol = hashed_action_policy(tok, tools=args.policy == "tools")
+        pol = hashed_action_policy(tok, answer=tool_call_text if args.policy == "tools" else None)
     script = ServerScript(policy=pol, delay_s=args.delay)
     uvicorn.run(build_app(script, tok), host="127.0.0.1", port=args.port, log_level="error", lifespan="off",
                 timeout_keep_alive=75)

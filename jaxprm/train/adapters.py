@@ -19,7 +19,9 @@ from rollout.client import SamplingParams
 from rollout.envs import sokoban
 from rollout.envs.base import Env
 from rollout.envs.frozenlake import make_tasks
+from rollout.chat import PromptBuilder
 from rollout.envs.registry import get_env
+from rollout.envs.tool_moves import tool_prompts
 from rollout.evaluate import EvalSettings
 from rollout.groups import TreeConfig
 from scorers import BaseScorer, resolve_scorer_class
@@ -30,6 +32,7 @@ __all__ = [
     "env_factory",
     "eval_settings",
     "loss_kwargs",
+    "prompt_builder",
     "row_capacity",
     "tasks",
     "total_updates",
@@ -49,8 +52,14 @@ def advantage_config(cfg: TrainConfig) -> jaxprm.AdvantageConfig:
 
 def env_factory(cfg: TrainConfig) -> Callable[[], Env]:
     """A zero-argument constructor of the configured environment (``env.name``, with
-    ``env.system_prompt`` and ``env.invalid_ends_episode`` applied)."""
-    return get_env(cfg.env.name).factory(cfg.env.system_prompt, invalid_ends_episode=cfg.env.invalid_ends_episode)
+    ``env.system_prompt``, ``env.invalid_ends_episode`` and ``env.action_format`` applied)."""
+    return get_env(cfg.env.name).factory(cfg.env.system_prompt, invalid_ends_episode=cfg.env.invalid_ends_episode,
+                                         action_format=cfg.env.action_format)
+
+
+def prompt_builder(cfg: TrainConfig, tokenizer: Any) -> PromptBuilder:
+    """The prompts of the configured ``env.action_format`` (tools and the call's prefill for ``tool_call``)."""
+    return tool_prompts(tokenizer) if cfg.env.action_format == "tool_call" else PromptBuilder(tokenizer)
 
 
 def tasks(cfg: TrainConfig) -> tuple[list[Any], list[Any]]:

@@ -25,10 +25,10 @@ from jaxprm.models import save_pretrained
 from jaxprm.serve import ServerHandle
 from jaxprm.serve.sampling import buckets_up_to
 from jaxprm.train import multihost
+from jaxprm.train.adapters import prompt_builder
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
 from jaxprm.train.setup import TrainError
-from rollout.chat import PromptBuilder
 from rollout.client import GenerationClient
 
 __all__ = ["Generation"]
@@ -51,7 +51,7 @@ class Generation:
         self.cfg, self.policy, self.run_dir, self.log = cfg, policy, run_dir, log
         self.server: ServerHandle | None = None
         self.client: GenerationClient | None = None
-        self.prompts = PromptBuilder(policy.tokenizer)
+        self.prompts = prompt_builder(cfg, policy.tokenizer)  # env.action_format's tools and prefill
         self.max_context = policy.config.max_position_embeddings
         self.version = 0  # the weight version the server(s) have: the learner step that made the weights
 

@@ -180,6 +180,7 @@ class _Job:
                 if self.primary:
                     params, self.warm_report = warm_start(
                         cfg.warm_start, self.policy, self.train_tasks, env_factory=self.env_factory,
+                        prompts=adapters.prompt_builder(cfg, self.policy.tokenizer),
                         key_data=adapters.warm_start_key_data(cfg, self.policy.config), log=self.log)
                 params = multihost.broadcast_arrays(params)
                 self.warm_report = multihost.broadcast_object(self.warm_report)

@@ -230,9 +230,15 @@ class EnvConfig:
 
     ``invalid_ends_episode``: an answer without a valid fenced move ends the episode (default).
     With false it is a no-op turn, which GRPO learned to exploit as a "safe move" on FrozenLake (the
-    tiny policy's invalid rate rose from 1% to 16-20% within 20 steps and success fell)."""
+    tiny policy's invalid rate rose from 1% to 16-20% within 20 steps and success fell).
+
+    ``action_format``: ``fenced`` (default; the move in a ```` ```Up``` ```` block) or ``tool_call``
+    (a ``move(direction)`` function tool in the Hermes format, for templates that render tools:
+    ``rollout.envs.tool_moves``); rollouts, evaluation, the warm start and the proxy's tool agent
+    (``rollout.agents.frozenlake_tools``) all use it."""
 
     name: Literal["frozenlake", "sokoban"] = "frozenlake"
+    action_format: Literal["fenced", "tool_call"] = "fenced"
     system_prompt: Literal["compact", "full", "none"] = "compact"
     invalid_ends_episode: bool = True
     size: int = 4

@@ -67,7 +67,8 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_fact
     while True:
         opt = env.optimal_actions()
         action = rng.choice(opt) if opt and rng.random() < optimal_prob else rng.choice(ACTIONS)
-        text = f"```{action}```"
+        # the env's answer format (a tool call's arguments after the prompts' prefill), else a fenced move
+        text = env.demo_answer(action) if hasattr(env, "demo_answer") else f"```{action}```"
         sampled = list(prompts.tokenizer.encode(text)) + [eos]
         tokens += sampled
         supervised = imitate_noise or action in opt
@@ -86,16 +87,18 @@ async def _play(task, prompts, rng: random.Random, optimal_prob: float, env_fact
 
 
 def make_demos(tasks, tokenizer, *, n: int, optimal_prob: float, seed: int, env_factory=None,
-               imitate_noise: bool = True) -> list[Demo]:
+               imitate_noise: bool = True, prompts: PromptBuilder | None = None) -> list[Demo]:
     """``n`` noisy demonstration episodes on ``tasks`` (cycled), tokenized like rollouts.
 
     ``env_factory`` builds the environment (default ``FrozenLakeEnv()``); use the one rollouts use,
     so that demonstrations carry the same system prompt. ``imitate_noise=False`` keeps the random
     moves in the episodes (they still steer it into holes and detours) but out of the loss mask.
+    ``prompts``: the rollouts' ``PromptBuilder`` (default: a plain one over ``tokenizer``), so that a
+    tool-call format's tools and prefill are in the demonstrations too.
     """
     env_factory = env_factory or FrozenLakeEnv
 
-    prompts = PromptBuilder(tokenizer)
+    prompts = prompts or PromptBuilder(tokenizer)
     rng = random.Random(seed)
 
     async def go():
@@ -189,12 +192,12 @@ def _load_npz(path: Path, like) -> Any:
 
 
 def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=None,
-               log=print) -> tuple[Any, dict[str, Any]]:
+               prompts: PromptBuilder | None = None, log=print) -> tuple[Any, dict[str, Any]]:
     """Warm-started params for ``policy`` (cached under :func:`warm_start_key` of ``key_data``) and a
     report dict; ``w`` is the warm-start section (demos, SFT steps, batch size, lr, seed, cache dir)."""
     t0 = time.perf_counter()
     demos = make_demos(train_tasks, policy.tokenizer, n=w.num_demos, optimal_prob=w.optimal_prob, seed=w.seed,
-                       env_factory=env_factory, imitate_noise=w.imitate_noise)
+                       env_factory=env_factory, imitate_noise=w.imitate_noise, prompts=prompts)
     t_demo = time.perf_counter() - t0
     key = warm_start_key(key_data, demos)
     cache = Path(w.cache_dir).expanduser() / key

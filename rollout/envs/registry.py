@@ -15,6 +15,7 @@ from typing import Any
 
 from rollout.envs import frozenlake, sokoban
 from rollout.envs.base import Env
+from rollout.envs.tool_moves import ACTION_FORMATS, ToolMoveEnv
 
 __all__ = ["EnvSpec", "ENVS", "ENV_NAMES", "get_env", "PROMPT_STYLES"]
 
@@ -31,11 +32,18 @@ class EnvSpec:
     prompts: Mapping[str, str | None]
     progress_scorer: str  # a ``scorers`` class path
 
-    def factory(self, system_prompt: str = "compact", *, invalid_ends_episode: bool = True) -> Callable[[], Env]:
-        """A zero-argument constructor of episodes with the ``system_prompt`` style."""
+    def factory(self, system_prompt: str = "compact", *, invalid_ends_episode: bool = True,
+                action_format: str = "fenced") -> Callable[[], Env]:
+        """A zero-argument constructor of episodes with the ``system_prompt`` style; moves are fenced
+        answers or, with ``action_format="tool_call"``, ``move`` calls (``rollout.envs.tool_moves``)."""
         if system_prompt not in self.prompts:
             raise ValueError(f"system_prompt={system_prompt!r}; allowed: {PROMPT_STYLES}")
-        return functools.partial(self.env_class, self.prompts[system_prompt], invalid_ends_episode=invalid_ends_episode)
+        if action_format not in ACTION_FORMATS:
+            raise ValueError(f"action_format={action_format!r}; allowed: {ACTION_FORMATS}")
+        game = functools.partial(self.env_class, self.prompts[system_prompt], invalid_ends_episode=invalid_ends_episode)
+        if action_format == "tool_call":
+            return lambda: ToolMoveEnv(game())
+        return game
 
     def task(self, data: Any) -> Any:
         """A task of this environment, or one from its JSON form (the dataclass's fields)."""
