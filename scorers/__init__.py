@@ -19,6 +19,7 @@ from scorers.base import (
     PRMMetricObservation,
     PRMScorerResult,
     PRMTurnResult,
+    ScorerUnavailable,
     ScoringRejected,
 )
 from scorers.config import (
@@ -39,6 +40,7 @@ from scorers.sokoban import SokobanProgressScorer, sokoban_progress_score
 from scorers.branch import score_branch
 from scorers.runner import PRMRunner, RunResult, SessionScores
 from scorers._http import ScorerHTTPError
+from scorers.breaker import CircuitBreaker
 
 __all__ = [
     "EVAL_NAMESPACE",
@@ -47,6 +49,7 @@ __all__ = [
     "AdvantageShapingConfig",
     "BaseScorer",
     "BaseTrajectoryScorer",
+    "CircuitBreaker",
     "FrozenLakeProgressScorer",
     "LLMJudgeScorer",
     "LengthBudgetScorer",
@@ -60,6 +63,7 @@ __all__ = [
     "RunResult",
     "ScorerHTTPError",
     "ScorerSpec",
+    "ScorerUnavailable",
     "ScoringRejected",
     "SessionScores",
     "SokobanProgressScorer",

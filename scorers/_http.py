@@ -4,7 +4,9 @@ Each attempt is bounded as a whole by ``asyncio.timeout`` (connect, send and the
 Retried: transport errors, timeouts, HTTP 429 and 5xx, and responses whose body is not the JSON the
 caller's ``parse`` expects (``parse`` raises ``ValueError``/``KeyError``/``TypeError``/``IndexError``).
 Not retried: other 4xx. Backoff doubles from ``backoff_s`` up to ``max_backoff_s``.
-Cancellation propagates at any point.
+Cancellation propagates at any point. A circuit breaker per server (``scorers.breaker``) opens
+after ``breaker_failures`` consecutive calls failed for good: calls then fail at once
+(``ScorerUnavailable``) until a probe every ``breaker_probe_s`` (doubling) finds the server again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 import httpx
 
 from scorers.base import BaseScorer
+from scorers.breaker import CircuitBreaker
 
 __all__ = ["HTTPOptions", "HTTPJsonClient", "HTTPScorer", "ScorerHTTPError"]
 
@@ -28,9 +31,10 @@ T = TypeVar("T")
 class ScorerHTTPError(RuntimeError):
     """A scorer's HTTP call failed for good; ``attempts`` lists what happened on each try."""
 
-    def __init__(self, message: str, attempts: list[str]) -> None:
+    def __init__(self, message: str, attempts: list[str], *, refused: bool = False) -> None:
         super().__init__(f"{message}; attempts: {attempts}")
         self.attempts = attempts
+        self.refused = refused  # the server answered with a 4xx (it is up)
 
 
 def _check_pos(name: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -51,6 +55,8 @@ class HTTPOptions:
       max_retries: extra attempts after the first (>= 0).
       backoff_s: first retry delay (>= 0), doubling, capped at ``max_backoff_s``.
       max_concurrency: requests in flight at once from one scorer (> 0).
+      breaker_failures: consecutive calls failed for good (after their retries) that open the
+        circuit breaker (>= 1); breaker_probe_s: the wait before its first probe (> 0).
     """
 
     api_key: str | None = None
@@ -59,6 +65,8 @@ class HTTPOptions:
     backoff_s: float = 0.5
     max_backoff_s: float = 4.0
     max_concurrency: int = 16
+    breaker_failures: int = 5
+    breaker_probe_s: float = 5.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timeout_s", _check_pos("timeout_s", self.timeout_s))
@@ -69,6 +77,8 @@ class HTTPOptions:
         mc = self.max_concurrency
         if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {mc!r}")
+        CircuitBreaker("check", failures=self.breaker_failures, probe_s=self.breaker_probe_s,
+                       max_probe_s=max(60.0, self.breaker_probe_s))  # validates both
 
 
 class HTTPJsonClient:
@@ -89,6 +99,8 @@ class HTTPJsonClient:
         self._client: httpx.AsyncClient | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.breaker = CircuitBreaker(self.base_url, failures=options.breaker_failures, probe_s=options.breaker_probe_s,
+                                      max_probe_s=max(60.0, options.breaker_probe_s))
 
     def _ensure(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
@@ -113,6 +125,25 @@ class HTTPJsonClient:
         ``payload`` may be a function of the attempt number (0 first), e.g. to vary the sampling of a
         retry after a malformed answer from a deterministic server.
         """
+        probe = self.breaker.before()  # ScorerUnavailable at once while the server is known down
+        answered = False
+        try:
+            out = await self._post(path, payload, parse)
+            answered = True
+            self.breaker.success(probe)
+            return out
+        except ScorerHTTPError as err:
+            answered = True
+            if err.refused:  # the server answered (a 4xx): it is up
+                self.breaker.success(probe)
+            else:
+                self.breaker.failure(probe)
+            raise
+        finally:
+            if not answered:
+                self.breaker.abandon(probe)
+
+    async def _post(self, path: str, payload, parse: Callable[[Any], T]) -> T:
         client, sem = self._ensure()
         attempts: list[str] = []
         for attempt in range(self.max_retries + 1):
@@ -133,7 +164,7 @@ class HTTPJsonClient:
                 continue
             if resp.status_code >= 400:
                 attempts.append(f"HTTP {resp.status_code}: {_reason(resp)}")
-                raise ScorerHTTPError(f"POST {self.base_url}{path} was refused (not retried)", attempts)
+                raise ScorerHTTPError(f"POST {self.base_url}{path} was refused (not retried)", attempts, refused=True)
             try:
                 return parse(resp.json())
             except (ValueError, KeyError, TypeError, IndexError) as err:
@@ -177,9 +208,11 @@ class HTTPScorer(BaseScorer):
     :class:`HTTPJsonClient` (``self.http``) and closes it in ``aclose``."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 30.0, max_retries: int = 2,
-                 backoff_s: float = 0.5, max_concurrency: int = 16, **kwargs: Any) -> None:
+                 backoff_s: float = 0.5, max_concurrency: int = 16, breaker_failures: int = 5,
+                 breaker_probe_s: float = 5.0, **kwargs: Any) -> None:
         options = HTTPOptions(api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                              max_concurrency=max_concurrency)
+                              max_concurrency=max_concurrency, breaker_failures=breaker_failures,
+                              breaker_probe_s=breaker_probe_s)
         self.http = HTTPJsonClient(base_url, options)
         super().__init__(**kwargs)
 

@@ -35,6 +35,7 @@ __all__ = [
     "PRMScorerResult",
     "PRMTurnResult",
     "RawReward",
+    "ScorerUnavailable",
     "ScoringRejected",
 ]
 
@@ -48,6 +49,11 @@ AGGREGATIONS = BOOLEAN_AGGREGATIONS + NUMERIC_AGGREGATIONS
 RawReward = float | np.ndarray | None
 
 
+class ScorerUnavailable(RuntimeError):
+    """A scorer's server is known to be down (its circuit breaker is open, ``scorers.breaker``): the
+    call failed at once, without trying. Rejects its trajectory with kind ``scorer_unavailable``."""
+
+
 class ScoringRejected(Exception):
     """A trajectory (or a whole session) could not be scored; nothing was committed or published.
 
@@ -58,11 +64,12 @@ class ScoringRejected(Exception):
       leaf_id: the leaf of the failed branch when raised by ``PRMRunner.score_branches``.
       kind: why, for counting: ``"failed"`` (a scorer raised or returned ``None``), ``"invalid"`` (a
         result failed validation), ``"out_of_range"`` (``process_weighted`` rewards outside [0, 1]),
-        ``"timeout"`` (the session's scoring ran past its bound).
+        ``"timeout"`` (the session's scoring ran past its bound), ``"scorer_unavailable"`` (the
+        scorer's server is down: its circuit breaker failed the call at once).
     The original exception, if any, is chained as ``__cause__``.
     """
 
-    KINDS = ("failed", "invalid", "out_of_range", "timeout")
+    KINDS = ("failed", "invalid", "out_of_range", "timeout", "scorer_unavailable")
 
     def __init__(
         self,

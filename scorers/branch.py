@@ -24,7 +24,7 @@ import numpy as np
 
 from rollout.types import Interaction, branch_messages
 from scorers._isolation import BranchSnapshot
-from scorers.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult, ScoringRejected
+from scorers.base import BaseScorer, BaseTrajectoryScorer, PRMScorerResult, ScorerUnavailable, ScoringRejected
 
 __all__ = [
     "TurnFailure",
@@ -212,10 +212,12 @@ def reject_failures(scorer: BaseScorer, ordered: Sequence[Interaction], results:
     details = "; ".join(f"{iid}: {f.reason}" for iid, f in failed[:5])
     more = f" (+{len(failed) - 5} more)" if len(failed) > 5 else ""
     cause = next((f.exc for _, f in failed if f.exc is not None), None)
+    down = any(isinstance(f.exc, ScorerUnavailable) for _, f in failed)
     raise ScoringRejected(
         f"scorer {scorer.name!r} could not score {len(failed)}/{len(results)} turns: {details}{more}",
         scorer=scorer.name,
         interaction_ids=[iid for iid, _ in failed],
+        kind="scorer_unavailable" if down else "failed",
     ) from cause
 
 

@@ -324,7 +324,8 @@ class LLMJudgeScorer(HTTPScorer):
     ``phase_window`` (default 3), ``max_chars`` (per action/observation, default 1500),
     ``temperature`` (0.0), ``max_tokens`` (64), ``json_mode`` (send ``response_format`` json_object,
     default False), ``timeout_s`` (30), ``max_retries`` (2), ``backoff_s`` (0.5),
-    ``max_concurrency`` (16) (the HTTP options: ``scorers._http.HTTPOptions``).
+    ``max_concurrency`` (16), ``breaker_failures`` (5), ``breaker_probe_s`` (5) (the HTTP options:
+    ``scorers._http.HTTPOptions``; the circuit breaker: ``scorers.breaker``).
     """
 
     name = "llm_judge"
