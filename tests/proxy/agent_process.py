@@ -1,0 +1,28 @@
+"""A stand-alone agent process for the kill tests: ``python agent_process.py BASE_URL KEY TURNS
+PAUSE_S`` plays ``TURNS`` chat turns through the proxy with the official SDK (sleeping ``PAUSE_S``
+between them), then sets a reward of 1 and exits."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import httpx
+import openai
+
+
+def main() -> None:
+    base_url, key, turns, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "Map:\nP _\n_ G\nWhat is your move?"}]
+    for t in range(turns):
+        answer = client.chat.completions.create(model="m", messages=messages, max_tokens=8).choices[0].message
+        print(f"turn {t}", flush=True)
+        messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": f"Turn {t}."}]
+        time.sleep(pause)
+    httpx.post(base_url + "/rl/set_reward", headers={"Authorization": f"Bearer {key}"}, json={"reward": 1.0},
+               timeout=30).raise_for_status()
+
+
+if __name__ == "__main__":
+    main()
