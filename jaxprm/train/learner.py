@@ -48,8 +48,10 @@ class Learner:
         self.capacity = adapters.row_capacity(cfg, n_dev)
         self.row_multiple = math.lcm(cfg.ppo.num_minibatches, n_dev)
         ppo = cfg.ppo
+        # the learner's forward (remat, compute dtype): the step and its reference / proximal log-probs alike
+        self.apply_fn = policy.learner_apply_fn(remat=ppo.remat, compute_dtype=cfg.model.compute_dtype)
         self.flat_step = TrainStep(
-            policy.apply_fn, make_optimizer(cfg.optimizer, adapters.total_updates(cfg)), jaxprm.policy_loss,
+            self.apply_fn, make_optimizer(cfg.optimizer, adapters.total_updates(cfg)), jaxprm.policy_loss,
             epochs=ppo.epochs, num_minibatches=ppo.num_minibatches, loss_kwargs=adapters.loss_kwargs(cfg),
             mesh=mesh if n_dev > 1 else None, microbatch_rows=ppo.microbatch_rows, entropy_coef=ppo.entropy_coef,
             behaviour={"cap": ppo.behave_cap, "mode": ppo.behave_mode} if ppo.decoupled else None,
@@ -138,7 +140,7 @@ class Learner:
             inputs = packed_step_inputs(packed, batch, adv.advantages, agg=ppo.agg, loss_weights=adv.loss_weights)
             if ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
                 inputs["proximal_logprobs"] = packed_reference_logprobs(
-                    self.policy.apply_fn, self.state.params, packed, self.on_mesh)
+                    self.apply_fn, self.state.params, packed, self.on_mesh)
             self.state, m = self.packed_step(self.state, inputs, key)
             if self.precompiler is not None:
                 R, N, S = inputs["key_blocks"].shape
@@ -167,7 +169,7 @@ class Learner:
 
     def _flat_logprobs(self, params: Any, batch: jaxprm.Batch) -> jax.Array:
         pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-        return reference_logprobs(self.policy.apply_fn, params, self.on_mesh(batch.tokens), self.on_mesh(pos))
+        return reference_logprobs(self.apply_fn, params, self.on_mesh(batch.tokens), self.on_mesh(pos))
 
     def _with_reference(self, batch: jaxprm.Batch, *, use_packed: bool, packed) -> jaxprm.Batch:
         """``batch`` with the KL reference's log-probs (masked), when the KL reward is on."""
@@ -175,7 +177,7 @@ class Learner:
             return batch
         if use_packed:
             ref = multihost.local_array(
-                packed_reference_logprobs(self.policy.apply_fn, self.ref_params, packed, self.on_mesh))
+                packed_reference_logprobs(self.apply_fn, self.ref_params, packed, self.on_mesh))
             ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
         else:
             ref = multihost.local_array(self._flat_logprobs(self.ref_params, batch))

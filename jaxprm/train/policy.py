@@ -9,9 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Policy"]
+__all__ = ["Policy", "learner_apply", "REMAT_MODES"]
+
+#: ``ppo.remat``: ``none``; ``block`` (each decoder layer recomputed in the backward pass: the
+#: model's ``remat`` flag, set when the policy is built); ``full`` (the whole forward recomputed)
+REMAT_MODES = ("none", "block", "full")
 
 
 class Policy:
@@ -37,7 +42,39 @@ class Policy:
         out = model(tokens, positions, **attention)
         return out[0] if isinstance(out, tuple) else out
 
+    def learner_apply_fn(self, *, remat: str = "none", compute_dtype: str = "float32"):
+        """:func:`learner_apply` over :meth:`apply_fn`, made once per setting (jitted programs are
+        cached per apply function)."""
+        key = (remat, compute_dtype)
+        cache = self.__dict__.setdefault("_learner_fns", {})
+        if key not in cache:
+            cache[key] = learner_apply(self.apply_fn, remat=remat, compute_dtype=compute_dtype)
+        return cache[key]
+
     def module(self, params: dict | None = None) -> nnx.Module:
         """An ``nnx.Module`` carrying ``params`` (default: the current ones)."""
         p = self._params if params is None else params
         return nnx.merge(self.graphdef, nnx.State(jax.tree.map(jax.numpy.asarray, p)), self.rest)
+
+
+def learner_apply(apply_fn, *, remat: str = "none", compute_dtype: str = "float32"):
+    """The learner's forward: ``apply_fn`` with the floating params cast to ``compute_dtype`` on the
+    way in (``bfloat16``: bf16 matmuls, while the master params, their gradients and the optimizer
+    state stay in their own dtype; the logits stay float32, ``Transformer.logits``), and with
+    ``remat="full"`` the whole forward under ``jax.checkpoint`` (recomputed in the backward pass;
+    ``block`` is the model's per-layer flag, see :data:`REMAT_MODES`). Returns ``apply_fn`` itself
+    when there is nothing to change."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat={remat!r}; allowed: {REMAT_MODES}")
+    if compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype={compute_dtype!r}; allowed: ('float32', 'bfloat16')")
+    if compute_dtype == "float32" and remat != "full":
+        return apply_fn
+    dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else None
+
+    def forward(params, tokens, positions, **attention):
+        if dtype is not None:
+            params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        return apply_fn(params, tokens, positions, **attention)
+
+    return jax.checkpoint(forward) if remat == "full" else forward

@@ -48,6 +48,9 @@ class ModelConfig:
 
     name: str = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the learner's matmul dtype: bfloat16 casts the params on the way into each forward (master
+    # params, gradients and optimizer state stay in ``dtype``; logits and the loss math stay float32)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -346,6 +349,9 @@ class PPOConfig:
     behave_mode: Literal[BEHAVIOUR_WEIGHT_MODES] = "truncate"
     max_rows: int | None = None  # fixed row capacity; default tasks_per_step * group budget
     microbatch_rows: int | None = 8  # gradient accumulation chunk (activation memory bound)
+    # activation checkpointing of the learner's forward: none | block (each decoder layer recomputed
+    # in the backward pass) | full (the whole forward recomputed); same gradients, less memory
+    remat: Literal["none", "block", "full"] = "none"
     len_buckets: list[int] = dataclasses.field(default_factory=lambda: [512, 640, 768, 1024, 2048, 4096])
     # rollout.export=tree_packed: packed row lengths (trees are packed first-fit into rows of the
     # smallest that holds the largest tree). Coarse on purpose: every new (rows, length) shape is a

@@ -62,6 +62,8 @@ def load_policy(cfg: TrainConfig) -> Policy:
         except (TypeError, ValueError) as e:
             raise TrainError(f"model.overrides: {e}") from None
         model = Transformer(mc, rngs=nnx.Rngs(cfg.seed))
+    if cfg.ppo.remat == "block":
+        model.remat = True  # per-layer checkpointing, part of the split graph (inference ignores it)
     return Policy(model, tok)
 
 
