@@ -103,6 +103,9 @@ def test_the_tool_format_reaches_every_path_of_the_trainer():
     assert adapters.prompt_builder(load_config(AGENT), build_tiny_tokenizer()).tools is None
     with pytest.raises(ConfigError, match="env.action_format"):
         load_config(AGENT, ["env.action_format=json"])
+    sokoban = load_config(ROOT / "configs" / "agent_sokoban_tools.yaml")
+    assert sokoban.env.name == "sokoban" and sokoban.agent.kwargs["env"] == "sokoban"
+    assert isinstance(adapters.env_factory(sokoban)(), ToolMoveEnv)
 
 
 @pytest.mark.slow
