@@ -22,6 +22,7 @@ from typing import Any
 
 from jaxprm.train.collect import Collected, StepCollector
 from jaxprm.train.compilation import PhaseTimes, Span
+from jaxprm.train.health import process_health
 from jaxprm.train.learner import Learner
 from jaxprm.train.overlap import RolloutProducer, drop_stale
 from jaxprm.train.rundir import MetricsLog
@@ -86,7 +87,7 @@ class StepDriver:
         with self.times.phase("sync") as sync:
             await self.gen.sync(step)
         row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0,
-                   loop_s=self.clock())
+                   loop_s=self.clock(), **process_health())
         self.metrics.log(step, "train", row)
         return row
 

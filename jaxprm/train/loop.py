@@ -371,6 +371,7 @@ class _Job:
         if cfg.plots and self.primary:
             try:
                 plots.training_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "training.png")
+                plots.health_curves(self.run_dir / "metrics.jsonl", self.run_dir / "plots" / "health.png")
                 if self.collector.example_tree is not None:
                     plots.tree_png(self.collector.example_tree, self.run_dir / "plots" / "patr_tree.png")
             except Exception as e:  # plots never fail a finished run

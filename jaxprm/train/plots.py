@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["training_curves", "tree_png"]
+__all__ = ["training_curves", "health_curves", "tree_png"]
 
 _STATUS_COLORS = {"success": "tab:green", "done": "tab:gray", "max_turns": "tab:blue", "pruned": "tab:red",
                   "loop": "tab:orange", "context": "tab:purple", "invalid": "tab:brown"}
@@ -58,6 +58,24 @@ def training_curves(metrics_path: str | Path, out: str | Path) -> Path:
     ax.set(title="training rollouts", xlabel="step", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend()
+    return _save(fig, out)
+
+
+def health_curves(metrics_path: str | Path, out: str | Path) -> Path:
+    """The trainer process over steps (``jaxprm.train.health``): RSS, open descriptors, threads and
+    programs compiled; flat after warm-up when nothing leaks."""
+    from jaxprm.train.rundir import read_metrics
+
+    tr = [r for r in read_metrics(metrics_path) if r.get("kind") == "train" and "rss_mb" in r]
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (key, label) in zip(axes, (("rss_mb", "RSS (MB)"), ("open_fds", "open descriptors"),
+                                       ("threads", "threads"), ("compiled_programs", "programs compiled"))):
+        pts = [(r["step"], r[key]) for r in tr if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", lw=1)
+        ax.set(xlabel="step", title=label)
+        ax.grid(alpha=0.3)
     return _save(fig, out)
 
 

@@ -67,6 +67,7 @@ def test_smoke_run_with_the_example_agent_through_the_proxy(smoke_runs):
         assert r["trajectories"] == 4 and r["kept_groups"] == 2 and r["agent_failed_groups"] == 0
         assert r["rows"] == 4 and r["sampled_actions"] >= 4 and "loss" in r and "invalid_rate" in r
         assert "rollout/prm_turn_reward/frozenlake_progress" in r  # prm_stats recorded by the trainer (spec names)
+        assert r["rss_mb"] > 0 and r["open_fds"] > 0 and r["threads"] >= 1 and r["compiled_programs"] >= 1
     evals = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [2]
     assert json.loads((run / "summary.json").read_text())["last_eval"]["step"] == 2

@@ -53,6 +53,8 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert (run / "plots" / "training.png").stat().st_size > 1000
     assert (run / "plots" / "patr_tree.png").stat().st_size > 1000
+    assert (run / "plots" / "health.png").stat().st_size > 1000  # RSS, descriptors, threads, compiles per step
+    assert all(r["rss_mb"] > 0 and r["threads"] >= 1 for r in train_rows)
     policy = run / "policy"
     assert (policy / "config.json").is_file() and list(policy.glob("*.safetensors"))
     from jaxprm.models import load_model
