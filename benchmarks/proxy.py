@@ -232,35 +232,56 @@ def _export_rev(rev: str, into: Path) -> None:
         t.extractall(into, filter="data")
 
 
+def start_stack(procs: list[subprocess.Popen], policy: str, env: dict[str, str]) -> str:
+    """Start the scripted upstream (``python -m rollout.testing --policy policy``) into ``procs``;
+    returns its URL once it answers."""
+    port = _free_port()
+    procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(port), "--policy", policy],
+                                  cwd=ROOT, env=env))
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url, procs[-1])
+    return url
+
+
+def start_proxy(procs: list[subprocess.Popen], upstream: str, tokenizer: str, max_tokens: int, env: dict[str, str],
+                cwd: Path = ROOT) -> str:
+    """Start ``python -m rollout.proxy`` (SGLang dialect) in front of ``upstream`` into ``procs``;
+    returns its URL once it answers."""
+    port = _free_port()
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "rollout.proxy", "--upstream", upstream, "--dialect", "sglang", "--tokenizer",
+         tokenizer, "--port", str(port), "--default-max-tokens", str(max_tokens), "--log-level", "error"],
+        cwd=cwd, env=env))
+    url = f"http://127.0.0.1:{port}"
+    _wait_up(url, procs[-1])
+    return url
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Terminate the processes, then kill what did not exit within 30 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def _run_kind(kind: str, trees: dict[str, Path], args, gen_ms: list[float], env: dict[str, str], path) -> list[dict]:
     """Start the scripted upstream and one proxy per tree for ``kind``, run the agents, stop them."""
     policy, tokenizer = KINDS[kind]
-    up_port = _free_port()
-    up_url = f"http://127.0.0.1:{up_port}"
     procs: list[subprocess.Popen] = []
     proxies: dict[str, tuple[str, int]] = {}
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(up_port), "--policy",
-                                       policy], cwd=ROOT, env=env))
-        _wait_up(up_url, procs[-1])
+        up_url = start_stack(procs, policy, env)
         for name, tree in trees.items():
-            port = _free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang", "--tokenizer",
-                 tokenizer, "--port", str(port), "--default-max-tokens", "16",
-                 "--log-level", "error"], cwd=tree, env=dict(env, PYTHONPATH=path(tree))))
-            proxies[name] = (f"http://127.0.0.1:{port}", procs[-1].pid)
-            _wait_up(proxies[name][0], procs[-1])
+            url = start_proxy(procs, up_url, tokenizer, 16, dict(env, PYTHONPATH=path(tree)), cwd=tree)
+            proxies[name] = (url, procs[-1].pid)
         _print_header(list(proxies))
         return asyncio.run(_bench(up_url, proxies, args.agents, gen_ms, args.turns, args.samples, kind))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.proxy import ADMIN, ROOT, _free_port, _wait_up
+from benchmarks.proxy import ADMIN, ROOT, start_proxy, start_stack, stop_all
 
 GROUP = 8
 
@@ -141,26 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="benchmarks/results/proxy_soak_cpu.json")
     args = p.parse_args(argv)
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAXPRM_PROXY_ADMIN_KEY=ADMIN)
-    up_port, port = _free_port(), _free_port()
-    up_url, url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{port}"
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(up_port), "--policy",
-                                       "hashed"], cwd=ROOT, env=env))
-        _wait_up(up_url, procs[-1])
-        procs.append(subprocess.Popen([sys.executable, "-m", "rollout.proxy", "--upstream", up_url, "--dialect", "sglang",
-                                       "--tokenizer", "rollout.testing:make_test_tokenizer", "--port", str(port),
-                                       "--default-max-tokens", "8", "--log-level", "error"], cwd=ROOT, env=env))
-        _wait_up(url, procs[-1])
+        up_url = start_stack(procs, "hashed", env)
+        url = start_proxy(procs, up_url, "rollout.testing:make_test_tokenizer", 8, env)
         result = asyncio.run(_run(url, procs[-1].pid, args))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
     from benchmarks.provenance import provenance
 
     out = {**provenance(), "benchmark": "proxy_soak", **vars(args), **result}

@@ -25,7 +25,32 @@ import openai
 
 from rollout.envs.registry import get_env
 
-__all__ = ["run"]
+__all__ = ["run", "EpisodeLog"]
+
+
+class EpisodeLog:
+    """An agent episode's record: the step reward and environment info by completion id, and the
+    tree rollouts' loop rule (``theta`` identical consecutive actions end it; ``None``: never)."""
+
+    def __init__(self, theta: int | None) -> None:
+        self.theta = theta
+        self.rewards: dict[str, float] = {}
+        self.states: dict[str, dict[str, Any]] = {}
+        self.actions: list[Any] = []
+
+    def record(self, completion_id: str, step: Any) -> bool:
+        """Record one turn's ``StepResult``; ``True`` when the episode is over."""
+        self.rewards[completion_id] = float(step.reward)
+        self.states[completion_id] = dict(step.info)
+        self.actions.append(step.info.get("action"))
+        if step.done:
+            return True
+        t = self.theta
+        return t is not None and len(self.actions) >= t and len(set(map(repr, self.actions[-t:]))) == 1
+
+    def result(self) -> dict[str, Any]:
+        """What a workflow returns: ``{"rewards": {...}, "env_states": {...}}``."""
+        return {"rewards": self.rewards, "env_states": self.states}
 
 
 async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *, env: str = "frozenlake",
@@ -44,20 +69,12 @@ async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *
     system = game.system_prompt(task)
     messages: list[dict[str, Any]] = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": observation})
-    rewards: dict[str, float] = {}
-    states: dict[str, dict[str, Any]] = {}
-    actions: list[Any] = []
+    log = EpisodeLog(theta)
     while True:
         completion = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                           temperature=temperature, top_p=top_p)
         text = completion.choices[0].message.content or ""
         step = await game.step(text)
-        rewards[completion.id] = float(step.reward)
-        states[completion.id] = dict(step.info)
-        actions.append(step.info.get("action"))
-        if step.done:
-            break
-        if theta is not None and len(actions) >= theta and len(set(map(repr, actions[-theta:]))) == 1:
-            break
+        if log.record(completion.id, step):
+            return log.result()
         messages += [{"role": "assistant", "content": text}, {"role": step.role, "content": step.observation}]
-    return {"rewards": rewards, "env_states": states}

@@ -19,6 +19,7 @@ from typing import Any
 
 import openai
 
+from rollout.agents.grid_chat import EpisodeLog
 from rollout.envs.registry import get_env
 from rollout.envs.tool_moves import MOVE_TOOL, ToolMoveEnv, direction_of, move_answer
 
@@ -40,9 +41,7 @@ async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *
     system = ToolMoveEnv(game).system_prompt(task)  # the tool format's instruction
     messages: list[dict[str, Any]] = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": observation})
-    rewards: dict[str, float] = {}
-    states: dict[str, dict[str, Any]] = {}
-    actions: list[Any] = []
+    log = EpisodeLog(theta)
     while True:
         completion = await client.chat.completions.create(
             model=model, messages=messages, tools=[MOVE_TOOL], tool_choice=_CHOICE, parallel_tool_calls=False,
@@ -51,14 +50,8 @@ async def run(task: Any, base_url: str, api_key: str, http_client: Any = None, *
         calls = [c for c in message.tool_calls or () if c.function.name == "move"]
         direction = direction_of(calls[0].function.arguments) if calls else None
         step = await game.step(move_answer(direction))
-        rewards[completion.id] = float(step.reward)
-        states[completion.id] = dict(step.info)
-        actions.append(step.info.get("action"))
-        if step.done:
-            break
-        if theta is not None and len(actions) >= theta and len(set(map(repr, actions[-theta:]))) == 1:
-            break
+        if log.record(completion.id, step):
+            return log.result()
         reply = ({"role": "tool", "tool_call_id": calls[0].id, "content": step.observation} if direction is not None
                  else {"role": "user", "content": step.observation})
         messages += [message.model_dump(exclude_none=True), reply]
-    return {"rewards": rewards, "env_states": states}
