@@ -76,6 +76,7 @@ TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
+
 def _tojson(x: Any, indent: int | None = None, **_: Any) -> str:
     """``tojson`` as Hugging Face templates expect it: plain JSON, no HTML escaping."""
     return json.dumps(x, ensure_ascii=False, indent=indent)

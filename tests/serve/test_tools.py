@@ -27,7 +27,7 @@ KW = dict(sampler_kwargs={**SAMPLER_KW, "prompt_buckets": (640,), "new_token_buc
 
 @pytest.fixture(scope="module")
 def tool_server():
-    """The tiny model after 120 SFT steps on one conversation that answers ``CALL``."""
+    """The tiny model after 30 SFT steps on one conversation that answers ``CALL``."""
     from jaxprm.train.policy import Policy
     from jaxprm.train.warmstart import Demo, sft
 
@@ -36,7 +36,7 @@ def tool_server():
     answer = [*tok.encode(CALL), tok.eos_token_id]
     policy = Policy(model, tok)
     demo = Demo(tokens=[*prompt, *answer], mask=[0.0] * len(prompt) + [1.0] * len(answer), success=True, turns=1)
-    params, losses = sft(policy.apply_fn, policy.params, [demo], steps=120, batch_size=1, lr=1e-2, seed=0,
+    params, losses = sft(policy.apply_fn, policy.params, [demo], steps=30, batch_size=1, lr=2e-2, seed=0,
                          len_buckets=(512,))
     assert losses[-1] < 0.05, losses
     with ServerHandle.start(policy.module(params), tok, model_name="tiny-tools", **KW) as handle:

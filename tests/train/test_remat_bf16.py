@@ -33,6 +33,7 @@ def _update(apply_fn, params, packed: bool):
         state, metrics = step(step.init_state(params), step_inputs(flat, adv), jax.random.key(0))
     deltas = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params))]
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {x.dtype for x in jax.tree.leaves(params)}  # master
     return float(metrics["loss"]), deltas
 
 
@@ -61,7 +62,7 @@ def test_remat_gives_the_same_update(remat, packed, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * max(np.abs(a).max(), 1e-6))
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bf16_compute_stays_close_to_float32(packed, baseline):
     policy = _policy(False)
     loss32, d32 = baseline[packed]
@@ -73,19 +74,13 @@ def test_bf16_compute_stays_close_to_float32(packed, baseline):
         assert cos >= 0.98, cos
 
 
-def test_master_params_and_gradients_stay_float32_under_bf16():
+def test_bf16_logits_are_float32_and_float32_changes_nothing():
+    """(The master params keep their dtype through an update: checked in every ``_update``.)"""
     policy = _policy(False)
     fwd = learner_apply(policy.apply_fn, compute_dtype="bfloat16")
     tokens = jax.numpy.arange(16, dtype=jax.numpy.int32).reshape(2, 8) % 64
     pos = jax.numpy.broadcast_to(jax.numpy.arange(8), (2, 8))
-
-    def loss(p):
-        return fwd(p, tokens, pos).mean()
-
-    logits = fwd(policy.params, tokens, pos)
-    grads = jax.grad(loss)(policy.params)
-    assert logits.dtype == jax.numpy.float32
-    assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    assert fwd(policy.params, tokens, pos).dtype == jax.numpy.float32
     assert learner_apply(policy.apply_fn) == policy.apply_fn  # nothing to change: the same function
 
 
