@@ -144,3 +144,20 @@ def test_streamed_content_plus_calls_equal_the_whole_answer(pieces, with_call):
     assert sent + rest == (whole.content or "") or (whole.content is None and (sent + rest).strip() == "")
     if out.calls:
         assert "<tool_call>" not in sent + rest
+
+
+@given(st.lists(st.sampled_from(['{"name": "move", ', '"parameters": {"direction": "Up"}}', "; ", "<|python_tag|>",
+                                 "I think ", "Up", " "]), max_size=8))
+def test_llama3_json_streams_nothing_that_may_become_a_call(pieces):
+    """llama3_json holds everything once the answer may be a call; what it streamed is the content."""
+    parser = get_parser("llama3_json")
+    req = parse_tool_request([MOVE], None, None, error)
+    split = StreamSplitter(req, parser)
+    sent = "".join(split.feed(p) for p in pieces)
+    rest, out = split.finish()
+    whole = parser.parse("".join(pieces))
+    assert [c.name for c in out.calls] == [c.name for c in whole.calls]
+    if out.calls:
+        assert sent == "" and rest == ""
+    else:
+        assert sent + rest == (whole.content or "")
