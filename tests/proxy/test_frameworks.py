@@ -1,6 +1,7 @@
 """Real agent frameworks train through the proxy: the OpenAI Agents SDK (its Chat Completions model
 and its default Responses model) and smolagents' ``ToolCallingAgent`` (``OpenAIServerModel``), each
-with a function tool, against the scripted upstream (a call, then the answer), then exported.
+with a function tool, against the scripted upstream (a call, then the answer), then exported; the
+Agents SDK's rows then go through one update of the trainer's step (a toy policy).
 
 What each framework sends back decides what the proxy can chain: the Agents SDK echoes the
 assistant's tool calls as they were answered, so its turns continue token-exactly (one concat row);
@@ -14,6 +15,7 @@ import asyncio
 import json
 import os
 
+import numpy as np
 import pytest
 
 from rollout.chat import TOOLS_TEMPLATE
@@ -45,6 +47,31 @@ def tok():
     return make_test_tokenizer(template=TOOLS_TEMPLATE)
 
 
+@pytest.fixture(scope="module")
+def learn():
+    """``learn(rows)``: one GRPO update of a toy policy (the test tokenizer's vocabulary fits) on a
+    framework's exported rows, through the trainer's step; returns its metrics. One compiled shape."""
+    import jax
+    import optax
+
+    import jaxprm
+    from jaxprm.train.policy import Policy
+    from jaxprm.train.step import TrainStep, step_inputs
+    from tests.train._models import toy_transformer
+
+    policy = Policy(toy_transformer(seed=0, vocab=512))
+    step = TrainStep(policy.apply_fn, optax.sgd(0.1), jaxprm.policy_loss,
+                     loss_kwargs={"eps_clip": 0.2, "agg": "token-mean"})
+
+    def run(rows):
+        batch = jaxprm.pad_rows([r.to_row_data(0) for r in rows], row_buckets=(4,), len_buckets=(1024,))
+        adv = jaxprm.compute_advantages(batch, jaxprm.AdvantageConfig(group_reward_norm=False)).advantages
+        _, metrics = step(step.init_state(policy.params), step_inputs(batch, adv), jax.random.key(0))
+        return {k: float(v) for k, v in metrics.items()}
+
+    return run
+
+
 async def _with_proxy(tok, turns, fn):
     with ScriptedServer(ServerScript(policy=turn_script_policy(tok, turns)), tok) as up:
         cfg = ProxyConfig(upstream=ClientConfig(endpoints=(up.url,), timeout_s=30, max_retries=0), admin_key=ADMIN,
@@ -61,7 +88,7 @@ async def _with_proxy(tok, turns, fn):
 
 
 @pytest.mark.parametrize("model_class", ["OpenAIChatCompletionsModel", "OpenAIResponsesModel"])
-def test_openai_agents_sdk_trains_through_the_proxy(tok, model_class):
+def test_openai_agents_sdk_trains_through_the_proxy(tok, learn, model_class):
     from openai import AsyncOpenAI
 
     async def run(srv, session):
@@ -81,6 +108,8 @@ def test_openai_agents_sdk_trains_through_the_proxy(tok, model_class):
     assert row.tokens[row.loss_mask > 0].tolist() == [*first.response.output_tokens.tolist(),
                                                       *second.response.output_tokens.tolist()]
     assert "You moved Right." in tok.decode(second.response.input_tokens.tolist())
+    metrics = learn(exported.rows)
+    assert metrics["trained_tokens"] == row.loss_mask.sum() and np.isfinite(metrics["loss"])
 
 
 def test_smolagents_tool_calling_agent_trains_through_the_proxy(tok):
@@ -102,3 +131,9 @@ def test_smolagents_tool_calling_agent_trains_through_the_proxy(tok):
     assert json.loads(first.output_message["tool_calls"][0]["function"]["arguments"]) == {"direction": "Right"}
     assert second.parent is None  # smolagents re-renders its memory as text: no concat chain
     assert len(exported.rows) == 2 and all(r.loss_mask.sum() > 0 for r in exported.rows)
+    # its rows batch for the learner like any (the update itself is checked on the Agents SDK's rows:
+    # smolagents' long default system prompt makes these rows ~4x longer, a minute of toy-model step)
+    import jaxprm
+
+    batch = jaxprm.pad_rows([r.to_row_data(0) for r in exported.rows])
+    assert float(batch.loss_mask.sum()) == sum(r.loss_mask.sum() for r in exported.rows)
