@@ -11,6 +11,8 @@ that text and calls of one answer make one message, as chat completions return t
 types, non-text content, ``text.format`` other than text and ``conversation`` are a 400.
 ``previous_response_id`` continues a stored conversation: the caller passes its messages
 (:class:`ResponseStore` keeps them, bounded; instructions are not carried over, as in the API).
+Fields that change nothing here (``store``, ``include``, ``reasoning``, ``truncation`` ...) are
+ignored.
 
 An answer (an assistant chat message) becomes a ``response`` object (:func:`response_object`):
 a ``message`` item with one ``output_text`` part when it has content, then one ``function_call``
@@ -35,10 +37,6 @@ ErrorFactory = Callable[[str, str], Exception]
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
-#: Responses fields that change nothing here (accepted and ignored)
-_IGNORED = ("store", "metadata", "include", "truncation", "prompt_cache_key", "prompt_cache_retention",
-            "prompt_cache_options", "service_tier", "user", "safety_identifier", "background", "reasoning",
-            "context_management", "stream_options", "top_logprobs")
 
 
 def _text(content: Any, where: str, error: ErrorFactory) -> str:
@@ -249,26 +247,26 @@ def response_events(response: Mapping[str, Any]) -> Iterator[bytes]:
 
 
 class ResponseStore:
-    """``response id -> (owner, conversation messages)`` for ``previous_response_id``, the most
-    recent ``capacity`` kept; ``owner`` (e.g. a proxy session) must match on lookup."""
+    """``response id -> conversation messages`` for ``previous_response_id``, the most recent
+    ``capacity`` kept (the proxy keeps one per session, so a session's conversations go with it)."""
 
-    def __init__(self, capacity: int = 100_000) -> None:
+    def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[Any, list[dict[str, Any]]]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, list[dict[str, Any]]] = collections.OrderedDict()
 
-    def put(self, response_id: str, owner: Any, messages: list[dict[str, Any]]) -> None:
-        self._items[response_id] = (owner, messages)
+    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+        self._items[response_id] = messages
         self._items.move_to_end(response_id)
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: Any, owner: Any, error: ErrorFactory) -> list[dict[str, Any]]:
-        """The stored conversation, or a 400 (``error``) naming the id when unknown or not ``owner``'s."""
+    def get(self, response_id: Any, error: ErrorFactory) -> list[dict[str, Any]]:
+        """The stored conversation, or a 400 (``error``) naming the id when it is not here."""
         found = self._items.get(response_id) if isinstance(response_id, str) else None
-        if found is None or found[0] is not owner:
+        if found is None:
             raise error(f"previous_response_id {response_id!r} not found (unknown, expired, or another session's)",
                         "previous_response_id")
-        return [dict(m) for m in found[1]]
+        return [dict(m) for m in found]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -140,8 +140,10 @@ def make_tools_test_tokenizer() -> JinjaChatTokenizer:
 
 
 def tool_call_text(action: str) -> str:
-    """A Hermes ``move`` call: ``<tool_call>{"name": "move", "arguments": {"direction": action}}</tool_call>``."""
-    return '<tool_call>\n{"name": "move", "arguments": {"direction": "' + action + '"}}\n</tool_call>'
+    """A whole Hermes ``move`` call (``rollout.envs.tool_moves``: its prefill, then its arguments)."""
+    from rollout.envs.tool_moves import PREFILL, demo_text
+
+    return PREFILL + demo_text(action)
 
 
 def hashed_action_policy(tokenizer: JinjaChatTokenizer, *, p_invalid: float = 0.0, prose: bool = False,

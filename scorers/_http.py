@@ -77,8 +77,7 @@ class HTTPOptions:
         mc = self.max_concurrency
         if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {mc!r}")
-        CircuitBreaker("check", failures=self.breaker_failures, probe_s=self.breaker_probe_s,
-                       max_probe_s=max(60.0, self.breaker_probe_s))  # validates both
+        CircuitBreaker("check", failures=self.breaker_failures, probe_s=self.breaker_probe_s)  # validates both
 
 
 class HTTPJsonClient:
@@ -99,8 +98,7 @@ class HTTPJsonClient:
         self._client: httpx.AsyncClient | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.breaker = CircuitBreaker(self.base_url, failures=options.breaker_failures, probe_s=options.breaker_probe_s,
-                                      max_probe_s=max(60.0, options.breaker_probe_s))
+        self.breaker = CircuitBreaker(self.base_url, failures=options.breaker_failures, probe_s=options.breaker_probe_s)
 
     def _ensure(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()

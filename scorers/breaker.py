@@ -6,7 +6,8 @@ States: **closed** (calls go through; ``failures`` consecutive failed calls open
 with kind ``scorer_unavailable`` instead of waiting out timeouts and retries), **half-open** (once
 ``probe_s`` has passed since it opened, the next call goes through as a probe while the others
 still fail fast; a probe that succeeds closes the breaker, one that fails opens it again with the
-wait doubled, up to ``max_probe_s``). A call that is cancelled mid-probe gives the probe slot back.
+wait doubled, up to ``max_probe_s``: by default 60 s, or ``probe_s`` if longer). A call that is
+cancelled mid-probe gives the probe slot back.
 
 ``HTTPJsonClient`` owns one per server, so every path that calls the scorer (export-time scoring
 through ``PRMRunner``, PaTR's branch scorer through ``score_branch``) follows the same rule.
@@ -25,8 +26,9 @@ __all__ = ["CircuitBreaker"]
 class CircuitBreaker:
     """See the module docstring. ``name`` goes into the fail-fast error; ``clock`` is monotonic seconds."""
 
-    def __init__(self, name: str, *, failures: int = 5, probe_s: float = 5.0, max_probe_s: float = 60.0,
+    def __init__(self, name: str, *, failures: int = 5, probe_s: float = 5.0, max_probe_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        max_probe_s = max(60.0, probe_s) if max_probe_s is None else max_probe_s
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
             raise ValueError(f"breaker_failures must be an int >= 1, got {failures!r}")
         if not probe_s > 0 or not max_probe_s >= probe_s:

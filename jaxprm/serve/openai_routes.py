@@ -427,7 +427,7 @@ def openai_router(srv: Serving) -> APIRouter:
 
         body = req.model_dump(exclude_none=True)
         prev = req.previous_response_id
-        history = srv.responses.get(prev, None, error) if prev is not None else None
+        history = srv.responses.get(prev, error) if prev is not None else None
         chat = to_chat_body(body, history, error)
         chat["stream"] = False
         try:
@@ -439,7 +439,7 @@ def openai_router(srv: Serving) -> APIRouter:
         answer = _chat_body(srv, creq, job, results)
         choice = answer["choices"][0]
         rid = f"resp_{uuid.uuid4().hex}"
-        srv.responses.put(rid, None, conversation(chat["messages"], choice["message"], req.instructions))
+        srv.responses.put(rid, conversation(chat["messages"], choice["message"], req.instructions))
         obj = response_object(rid, config.model_name, choice["message"], body,
                               input_tokens=answer["usage"]["prompt_tokens"],
                               output_tokens=answer["usage"]["completion_tokens"],
@@ -447,7 +447,7 @@ def openai_router(srv: Serving) -> APIRouter:
                               truncated=choice["finish_reason"] == "length",
                               extra={"weight_version": answer["weight_version"]})
         if req.stream:
-            return _stream_response(iter(list(response_events(obj))))
+            return _stream_response(response_events(obj))
         return obj
 
     return router

@@ -149,7 +149,7 @@ class Serving:
         self.swap_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
         self.tool_parser = get_parser(config.tool_call_parser)
-        self.responses = ResponseStore(capacity=10_000)  # previous_response_id -> conversation
+        self.responses = ResponseStore()  # previous_response_id -> conversation (the last 10,000)
         self._renders_tools: bool | None = None
 
     def check_renders_tools(self) -> None:

@@ -28,6 +28,7 @@ class Policy:
         self._params = params.to_pure_dict()
         self.tokenizer = tokenizer
         self.config = getattr(model, "config", None)
+        self._learner_fns: dict[tuple[str, str], Any] = {}
 
     @property
     def params(self) -> dict:
@@ -46,10 +47,9 @@ class Policy:
         """:func:`learner_apply` over :meth:`apply_fn`, made once per setting (jitted programs are
         cached per apply function)."""
         key = (remat, compute_dtype)
-        cache = self.__dict__.setdefault("_learner_fns", {})
-        if key not in cache:
-            cache[key] = learner_apply(self.apply_fn, remat=remat, compute_dtype=compute_dtype)
-        return cache[key]
+        if key not in self._learner_fns:
+            self._learner_fns[key] = learner_apply(self.apply_fn, remat=remat, compute_dtype=compute_dtype)
+        return self._learner_fns[key]
 
     def module(self, params: dict | None = None) -> nnx.Module:
         """An ``nnx.Module`` carrying ``params`` (default: the current ones)."""

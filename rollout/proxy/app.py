@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from rollout.proxy.chat import chat_answer, parse_chat_request, stream_chunks
 from rollout.proxy.config import ProxyError
@@ -167,19 +167,14 @@ def create_app(proxy: RecordingProxy) -> FastAPI:
                                                           "created": 0, "owned_by": "jaxprm"}]})
 
     async def responses(request: Request):
-        """``POST /v1/responses`` (``RecordingProxy.respond``): the session key as for chat."""
-        key = _bearer(request)
-        session = store.session_for_key(key)
-        if session is None and not proxy.config.passthrough:
-            raise ProxyError(401, "missing Authorization: Bearer <session key>" if key is None
-                             else "unknown or expired session key (start one with /rl/start_session)")
-        if session is not None:
-            session.check_open()
+        """``POST /v1/responses`` (``RecordingProxy.respond``): the session key as for chat; a
+        streamed answer is the finished turn's events in one body, as the chat route sends them."""
+        session = proxy.session_for_turn(_bearer(request))
         body = await _json(request)
         out = await proxy.respond(session, body)
         if isinstance(body, dict) and body.get("stream"):
-            return StreamingResponse(iter(list(response_events(out))), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
+            return Response(b"".join(response_events(out)), media_type="text/event-stream",
+                            headers={"cache-control": "no-cache"})
         return JSONResponse(out)
 
     app.add_api_route("/v1/responses", responses, methods=["POST"])
@@ -268,13 +263,7 @@ class ChatEndpoint:
 
     async def _chat(self, scope, raw: bytes):
         proxy = self.proxy
-        key = _scope_bearer(scope)
-        session = proxy.store.session_for_key(key)
-        if session is None and not proxy.config.passthrough:
-            raise ProxyError(401, "missing Authorization: Bearer <session key>" if key is None
-                             else "unknown or expired session key (start one with /rl/start_session)")
-        if session is not None:
-            session.check_open()
+        session = proxy.session_for_turn(_scope_bearer(scope))
         try:
             body = json.loads(raw)
         except ValueError as e:

@@ -161,7 +161,7 @@ class RecordingProxy:
         self.overhead_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._token_text_cache: dict[int, str] = {}
         self._tools_ok: bool | None = None
-        self.responses = ResponseStore()  # previous_response_id -> (session, conversation)
+        self.responses = ResponseStore()  # previous_response_id of unrecorded (passthrough) turns
 
     def _forget(self, session: Session) -> None:
         """A removed session's sticky upstream route is released (the client's table stays small)."""
@@ -269,6 +269,18 @@ class RecordingProxy:
 
     # ------------------------------------------------------------------ chat
 
+    def session_for_turn(self, key: str | None) -> Session | None:
+        """The session a chat or Responses call with bearer ``key`` records into (``None``: forwarded
+        unrecorded, when the proxy passes through); otherwise 401 for no or an unknown key, 410
+        for an ended or removed session."""
+        session = self.store.session_for_key(key)
+        if session is None and not self.config.passthrough:
+            raise ProxyError(401, "missing Authorization: Bearer <session key>" if key is None
+                             else "unknown or expired session key (start one with /rl/start_session)")
+        if session is not None:
+            session.check_open()
+        return session
+
     def token_text(self, token_id: int) -> str:
         s = self._token_text_cache.get(token_id)
         if s is None:
@@ -336,17 +348,18 @@ class RecordingProxy:
     async def respond(self, session: Session | None, body: Any) -> dict[str, Any]:
         """One ``POST /v1/responses`` turn (``rollout.responses_api``): translated to a chat turn,
         recorded exactly like one (the response ``id`` is the interaction id), and stored for
-        ``previous_response_id`` (within the same session)."""
+        ``previous_response_id`` on its session (removed with it)."""
         def error(message: str, param: str) -> ProxyError:
             return ProxyError(400, message, param=param)
 
         if not isinstance(body, Mapping):
             raise error("the request body must be a JSON object", "body")
         prev = body.get("previous_response_id")
-        history = self.responses.get(prev, session, error) if prev is not None else None
+        store = session.responses if session is not None else self.responses
+        history = store.get(prev, error) if prev is not None else None
         req = parse_chat_request(to_chat_body(body, history, error))
         rid, resp, message, _ = await self.chat(session, req, owned=True)
-        self.responses.put(rid, session, conversation(req.messages, message, body.get("instructions")))
+        store.put(rid, conversation(req.messages, message, body.get("instructions")))
         truncated = resp.stop_reason == "length" and not message.get("tool_calls")
         return response_object(rid, self.config.model_name, message, body, input_tokens=resp.input_len,
                                output_tokens=resp.output_len, truncated=truncated)

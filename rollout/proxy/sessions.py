@@ -41,6 +41,7 @@ import numpy as np
 
 from rollout.proxy.config import HITL_SESSION, ProxyError
 from rollout.groups import request_seed
+from rollout.responses_api import ResponseStore
 from rollout.types import ModelResponse, copy_json
 
 __all__ = ["Record", "Session", "SessionStore", "normalize_message", "HITL_SESSION"]
@@ -149,6 +150,7 @@ class Session:
         self._by_length: dict[int, list[Record]] = {}  # completed records by len(messages) + 1
         self._longest = 0
         self.last_active = time.monotonic()
+        self.responses = ResponseStore()  # the session's Responses-API conversations (previous_response_id)
 
     @property
     def is_hitl(self) -> bool:
