@@ -34,6 +34,14 @@ an ``asyncio.Semaphore`` bounds in-flight requests.
 Several endpoints are load-balanced by least outstanding requests, with sticky routing per
 ``route_key`` (one tree = one key) so a server's prefix cache sees all siblings of a tree; a retry
 after a failure goes to another endpoint (and re-pins the key there).
+
+Server loss (``rollout.endpoints``): a request whose connection is lost (refused, reset, closed
+before the answer) marks its endpoint down and is sent again, with the same body (so the same
+per-request seed), to an endpoint still up; such a failover does not use up the request's retries.
+A down endpoint is probed (``GET /health``) with exponential backoff; when it answers, the
+``on_recover`` hook (the trainer: push the current weights, check ``/get_weight_version``) must
+succeed before it gets requests again. While every endpoint is down, requests wait for one to
+recover; after ``unavailable_timeout_s`` they fail with :class:`ServersUnavailableError`.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -52,6 +60,7 @@ import aiohttp
 from jaxprm.fields import require
 from rollout.dialects import (DIALECTS, MAX_TOP_LOGPROBS, GenerationError, SamplingParams, TextOnlyResponseError,
                               parse_sglang, parse_vllm, request_body, top_entropies)
+from rollout.endpoints import EndpointHealth
 from rollout.types import ModelResponse
 
 __all__ = [
@@ -59,6 +68,7 @@ __all__ = [
     "SamplingParams",
     "GenerationClient",
     "GenerationError",
+    "ServersUnavailableError",
     "TextOnlyResponseError",
     "Generated",
     "DIALECTS",
@@ -68,6 +78,10 @@ __all__ = [
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class ServersUnavailableError(GenerationError):
+    """Every generation endpoint has been down for ``unavailable_timeout_s``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +99,10 @@ class ClientConfig:
       max_concurrency: requests in flight at once (all endpoints together), also the most
         connections open at once.
       require_tokens: fail with :class:`TextOnlyResponseError` on text-only responses.
+      unavailable_timeout_s: how long requests wait while every endpoint is down before they fail
+        with :class:`ServersUnavailableError`.
+      probe_base_s / probe_max_s: a down endpoint is probed after ``base * 2**failed_probes``
+        seconds, at most ``max``.
     """
 
     endpoints: tuple[str, ...]
@@ -97,6 +115,9 @@ class ClientConfig:
     backoff_max_s: float = 2.0
     max_concurrency: int = 64
     require_tokens: bool = True
+    unavailable_timeout_s: float = 300.0
+    probe_base_s: float = 0.5
+    probe_max_s: float = 10.0
 
     def __post_init__(self) -> None:
         owner = type(self)
@@ -108,7 +129,8 @@ class ClientConfig:
             require(url.startswith(("http://", "https://")), f"endpoints[{i}]",
                     f"must start with http:// or https://, got {url!r}", owner)
         require(self.dialect in DIALECTS, "dialect", f"got {self.dialect!r}; allowed: {DIALECTS}", owner)
-        for name in ("timeout_s", "backoff_base_s", "backoff_max_s"):
+        for name in ("timeout_s", "backoff_base_s", "backoff_max_s", "unavailable_timeout_s", "probe_base_s",
+                     "probe_max_s"):
             value = getattr(self, name)
             require(math.isfinite(value) and value > 0, name, f"must be > 0, got {value!r}", owner)
         require(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}", owner)
@@ -161,7 +183,14 @@ class GenerationClient:
         self._outstanding = {e: 0 for e in config.endpoints}
         self._sticky: dict[str, str] = {}
         self._rng = rng or random.Random(0)
-        self._stats = {"requests": 0, "retries": 0, "failures": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self._stats = {"requests": 0, "retries": 0, "failovers": 0, "failures": 0, "prompt_tokens": 0,
+                       "generated_tokens": 0}
+        self.health = EndpointHealth(config.endpoints, probe_base_s=config.probe_base_s,
+                                     probe_max_s=config.probe_max_s)
+        # Awaited with a down endpoint that answers its health probe again; it must succeed (return)
+        # for the endpoint to get requests again (the trainer pushes its weights and checks them).
+        self.on_recover: Callable[[str], Awaitable[None]] | None = None
+        self._probes: dict[str, asyncio.Task] = {}
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -172,6 +201,10 @@ class GenerationClient:
     async def aclose(self) -> None:
         """Close every session (their connections); later requests fail with :class:`GenerationError`."""
         self._closed = True
+        probes, self._probes = list(self._probes.values()), {}
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()
@@ -182,7 +215,9 @@ class GenerationClient:
         return self._closed
 
     def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+        """Request counters, plus the endpoints' (``marked_down``, ``recovered``, ``failed_probes``,
+        ``down``: endpoints down now)."""
+        return {**self._stats, **self.health.stats()}
 
     async def _session(self) -> aiohttp.ClientSession:
         """The running loop's session (opened on first use; sessions of closed loops are closed)."""
@@ -202,23 +237,78 @@ class GenerationClient:
     # ------------------------------------------------------------------ routing
 
     def pick_endpoint(self, route_key: str | None) -> str:
-        """Sticky endpoint for ``route_key``; else the one with the fewest outstanding requests."""
-        if route_key is not None and route_key in self._sticky:
-            return self._sticky[route_key]
-        ep = min(self.config.endpoints, key=lambda e: (self._outstanding[e], self.config.endpoints.index(e)))
+        """Sticky endpoint for ``route_key`` (while it is up); else the up endpoint with the fewest
+        outstanding requests (every endpoint when none is up)."""
+        sticky = self._sticky.get(route_key) if route_key is not None else None
+        if sticky is not None and self.health.is_up(sticky):
+            return sticky
+        ep = self._least_loaded(self.health.up() or self.config.endpoints)
         if route_key is not None:
             self._sticky[route_key] = ep
         return ep
 
+    def _least_loaded(self, candidates: Sequence[str]) -> str:
+        return min(candidates, key=lambda e: (self._outstanding[e], self.config.endpoints.index(e)))
+
     def _failover(self, failed: str, route_key: str | None) -> str:
-        """After a failed attempt, move to the least-loaded *other* endpoint (re-pinning the key)."""
-        others = [e for e in self.config.endpoints if e != failed]
+        """After a failed attempt, move to the least-loaded *other* up endpoint (re-pinning the key)."""
+        others = [e for e in self.health.up() if e != failed]
         if not others:
             return failed
-        ep = min(others, key=lambda e: (self._outstanding[e], self.config.endpoints.index(e)))
+        ep = self._least_loaded(others)
         if route_key is not None:
             self._sticky[route_key] = ep
         return ep
+
+    async def _route(self, route_key: str | None) -> str:
+        """An up endpoint for a request (:meth:`pick_endpoint`), probing down endpoints that are due.
+        While every endpoint is down, waits for one to recover; raises
+        :class:`ServersUnavailableError` once they have all been down ``unavailable_timeout_s``."""
+        while True:
+            self._probe_due()
+            if self.health.up():
+                return self.pick_endpoint(route_key)
+            down_for = self.health.all_down_for() or 0.0
+            limit = self.config.unavailable_timeout_s
+            if down_for >= limit:
+                reasons = "; ".join(f"{e}: {r}" for e, r in self.health.down().items())
+                self._stats["failures"] += 1
+                raise ServersUnavailableError(
+                    f"every generation server has been down for {down_for:.0f} s (unavailable_timeout_s={limit:g}; "
+                    f"restart them and --resume): {reasons}")
+            await asyncio.sleep(min(0.25, self.health.next_probe_in(), limit - down_for))
+
+    def _probe_due(self) -> None:
+        """Start a probe of each down endpoint whose backoff has passed (one at a time per endpoint)."""
+        for ep in self.health.due():
+            task = self._probes.get(ep)
+            if task is None or task.done():
+                self._probes[ep] = asyncio.ensure_future(self._probe(ep))
+
+    async def _probe(self, ep: str) -> None:
+        """One recovery attempt of a down endpoint: its health check, then ``on_recover``; it comes
+        back up only if both succeed, else its next probe waits longer."""
+        try:
+            await self._health_check(ep, retries=0)
+            if self.on_recover is not None:
+                await self.on_recover(ep)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- whatever the hook raised, the endpoint stays down
+            self.health.probe_failed(ep, " ".join(f"{type(e).__name__}: {e}".split())[:300])
+            return
+        self.health.mark_up(ep)
+
+    async def recover(self) -> list[str]:
+        """Probe every down endpoint now (backoff aside) and wait for the probes; returns the
+        endpoints still down. The trainer calls it between steps."""
+        for ep in list(self.health.down()):
+            task = self._probes.get(ep)
+            if task is None or task.done():
+                self._probes[ep] = asyncio.ensure_future(self._probe(ep))
+        await asyncio.gather(*[t for e, t in list(self._probes.items()) if not self.health.is_up(e)],
+                             return_exceptions=True)
+        return list(self.health.down())
 
     def release(self, route_key: str) -> None:
         """Forget the sticky endpoint of a finished tree."""
@@ -274,51 +364,67 @@ class GenerationClient:
                     endpoint: str | None = None, retries: int | None = None) -> tuple[bytes, str, int, float]:
         """One request under the client's retry policy; returns ``(body, endpoint, attempts, http_s)``.
 
-        Connection errors, timeouts and the statuses in ``_RETRY_STATUS`` are retried up to
-        ``max_retries`` times with full-jitter exponential backoff; other statuses fail at once. With
-        ``endpoint`` the request stays there; otherwise the route key picks one and a retry fails
-        over to another endpoint (re-pinning the key). Raises :class:`GenerationError`.
+        Timeouts and the statuses in ``_RETRY_STATUS`` are retried up to ``max_retries`` times with
+        full-jitter exponential backoff; other statuses fail at once. A lost connection marks the
+        endpoint down. With ``endpoint`` the request stays there (a lost connection counts as a
+        retry); otherwise the route key picks an up endpoint, a retry fails over to another one
+        (re-pinning the key), and after a lost connection the request is sent again at once to an up
+        endpoint -- waiting while none is (:meth:`_route`) -- without using up a retry (at most
+        ``max_retries + len(endpoints)`` lost connections per request). Raises
+        :class:`GenerationError`.
         """
         cfg = self.config
         max_retries = cfg.max_retries if retries is None else retries
-        ep = endpoint or self.pick_endpoint(route_key)
-        attempt = 0
+        routed = endpoint is None
+        if self._closed:
+            raise GenerationError(f"{endpoint or cfg.endpoints[0]}{path}: the generation client is closed")
+        ep = endpoint or await self._route(route_key)
+        attempt = lost = 0
         http_s = 0.0
         last_err = ""
-        if self._closed:
-            raise GenerationError(f"{ep}{path}: the generation client is closed")
         session = await self._session()
         while True:
             self._outstanding[ep] = self._outstanding.get(ep, 0) + 1
             self._stats["requests"] += 1
             t0 = time.perf_counter()
             status = None
+            connection_lost = False
             try:
                 status, content = await self._exchange(session, method, ep + path, payload)
             except TimeoutError as e:  # aiohttp's timeouts are TimeoutErrors too
                 last_err = f"ReadTimeout: no complete answer within {cfg.timeout_s} s{f' ({e})' if str(e) else ''}"
             except aiohttp.ClientConnectorError as e:
-                last_err = f"ConnectError: {e}"
+                last_err, connection_lost = f"ConnectError: {e}", True
+            except aiohttp.ClientConnectionError as e:  # reset or closed before the answer
+                last_err, connection_lost = f"{type(e).__name__}: {' '.join(str(e).split())}", True
             except aiohttp.ClientError as e:
                 last_err = f"{type(e).__name__}: {' '.join(str(e).split())}"  # one line
             finally:
                 http_s += time.perf_counter() - t0
                 self._outstanding[ep] -= 1
             if status == 200:
-                return content, ep, attempt + 1, http_s
+                return content, ep, attempt + lost + 1, http_s
             if status is not None:
                 last_err = f"HTTP {status}: {content[:300].decode('utf-8', 'replace')}"
                 if status not in _RETRY_STATUS:
                     self._stats["failures"] += 1
                     raise GenerationError(f"{ep}{path} failed: {last_err}", status=status)
+            if connection_lost:
+                self.health.mark_down(ep, last_err)
+                if routed and lost < cfg.max_retries + len(cfg.endpoints):
+                    lost += 1
+                    self._stats["failovers"] += 1
+                    ep = await self._route(route_key)
+                    continue
             if attempt >= max_retries:
                 self._stats["failures"] += 1
-                raise GenerationError(f"{ep}{path} failed after {attempt + 1} attempts: {last_err}", status=status)
+                raise GenerationError(f"{ep}{path} failed after {attempt + lost + 1} attempts: {last_err}",
+                                      status=status)
             self._stats["retries"] += 1
             delay = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** attempt))
             await asyncio.sleep(self._rng.uniform(0, delay))
             attempt += 1
-            if endpoint is None:
+            if routed:
                 ep = self._failover(ep, route_key)
 
     @staticmethod
@@ -345,16 +451,21 @@ class GenerationClient:
 
     async def check_health(self) -> None:
         """Check that every endpoint answers (``GET /health``, else ``GET /v1/models`` for servers
-        without it), under the retry policy. Raises :class:`GenerationError` naming the endpoint."""
+        without it), under the retry policy, and put each back in rotation. Raises
+        :class:`GenerationError` naming the endpoint."""
         for ep in self.config.endpoints:
-            try:
-                await self._send("GET", "/health", None, endpoint=ep)
-            except GenerationError as e:
-                if e.status is None:
-                    raise GenerationError(f"generation server {ep} unreachable: {e}") from e
-                if e.status != 404:
-                    raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from e
-                await self._send("GET", "/v1/models", None, endpoint=ep)
+            await self._health_check(ep)
+            self.health.mark_up(ep)
+
+    async def _health_check(self, ep: str, *, retries: int | None = None) -> None:
+        try:
+            await self._send("GET", "/health", None, endpoint=ep, retries=retries)
+        except GenerationError as e:
+            if e.status is None:
+                raise GenerationError(f"generation server {ep} unreachable: {e}") from e
+            if e.status != 404:
+                raise GenerationError(f"generation server {ep} is not healthy: {e}", status=e.status) from e
+            await self._send("GET", "/v1/models", None, endpoint=ep, retries=retries)
 
     async def probe_token_io(self, prompt: Sequence[int]) -> None:
         """Send one greedy one-token request with a token-id prompt to every endpoint, without
@@ -382,18 +493,37 @@ class GenerationClient:
                     "needs the sampled tokens: use vLLM >= 0.10.2 (server.dialect: vllm), SGLang's /generate "
                     "(server.dialect: sglang) or python -m jaxprm.serve") from e
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
-        """``POST /update_weights_from_disk`` (SGLang's route, also the embedded server's) on every
-        endpoint, under the retry policy; the server must answer 200 with ``success`` true."""
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None,
+                                       endpoints: Sequence[str] | None = None) -> list[str]:
+        """``POST /update_weights_from_disk`` (SGLang's route, also the embedded server's) on
+        ``endpoints`` (default: every endpoint up), under the retry policy; the server must answer 200
+        with ``success`` true. An endpoint whose connection is lost is marked down and skipped (it
+        gets the weights when it recovers); returns the endpoints updated."""
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = int(weight_version)
         payload = json.dumps(body).encode()
-        for ep in self.config.endpoints:
-            data, *_ = await self._send("POST", "/update_weights_from_disk", payload, endpoint=ep)
+        updated = []
+        for ep in self.health.up() if endpoints is None else endpoints:
+            try:
+                data, *_ = await self._send("POST", "/update_weights_from_disk", payload, endpoint=ep)
+            except GenerationError as e:
+                if endpoints is None and not self.health.is_up(ep):
+                    continue  # it died under the push: its recovery pushes again
+                raise
             try:
                 ok = json.loads(data).get("success", True)
             except (ValueError, AttributeError):
                 ok = False
             if not ok:
                 raise GenerationError(f"{ep}/update_weights_from_disk refused {model_path}: {data[:300]!r}")
+            updated.append(ep)
+        return updated
+
+    async def weight_version(self, ep: str) -> int:
+        """``GET /get_weight_version`` of one endpoint (SGLang's route, also the embedded server's), no retries."""
+        data, *_ = await self._send("GET", "/get_weight_version", None, endpoint=ep, retries=0)
+        try:
+            return int(json.loads(data)["weight_version"])
+        except (ValueError, KeyError, TypeError):
+            raise GenerationError(f"{ep}/get_weight_version answered {data[:200]!r}") from None

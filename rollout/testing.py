@@ -409,18 +409,20 @@ def build_app(script: ServerScript, tokenizer: JinjaChatTokenizer):
 class ScriptedServer:
     """Run :func:`build_app` with uvicorn on ``127.0.0.1`` (free port) in a daemon thread.
 
-    Use as a context manager; ``url`` is the base URL. ``stop()`` shuts it down.
+    Use as a context manager; ``url`` is the base URL. ``stop()`` shuts it down. ``port``: serve on
+    that port (a server restarted where another died) instead of a free one.
     """
 
-    def __init__(self, script: ServerScript, tokenizer: JinjaChatTokenizer):
+    def __init__(self, script: ServerScript, tokenizer: JinjaChatTokenizer, *, port: int = 0):
         self.script = script
         self.app = build_app(script, tokenizer)
         self._http: ThreadedServer | None = None
-        self.port: int | None = None
+        self.port: int | None = port or None
         self.url: str | None = None
 
     def start(self) -> ScriptedServer:
-        self._http = ThreadedServer(self.app, name="scripted", startup_timeout_s=10, log_level="error",
+        self._http = ThreadedServer(self.app, port=self.port or 0, name="scripted", startup_timeout_s=10,
+                                    log_level="error",
                                     timeout_keep_alive=30, timeout_graceful_shutdown=0.05)
         self.port, self.url = self._http.port, self._http.url
         return self

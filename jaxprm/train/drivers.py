@@ -87,7 +87,7 @@ class StepDriver:
         with self.times.phase("sync") as sync:
             await self.gen.sync(step)
         row.update(compile_s=sum(sp.compile for sp in (*spans, sync)), step_s=time.perf_counter() - t0,
-                   loop_s=self.clock(), **process_health())
+                   loop_s=self.clock(), **process_health(), **self.gen.server_health())
         self.metrics.log(step, "train", row)
         return row
 

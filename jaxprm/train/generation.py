@@ -5,6 +5,14 @@ weights in place (a new weight version per step); ``external`` talks to running 
 jaxprm servers at ``server.urls`` and syncs weights by saving the policy in Hugging Face format and
 calling ``/update_weights_from_disk`` on each (through the rollout client's retry policy).
 
+An external server that dies is marked down by the client and its requests go to the others (the
+same request, so the same per-request seed). When it answers its health probe again (a restarted
+vLLM serves its *base* weights), :meth:`Generation._restore` pushes the weights last synced and
+checks ``/get_weight_version`` before the server gets requests again; if every server stays down
+past ``server.unavailable_timeout_s`` the run stops with one line (``--resume`` continues). Each
+train row counts the step's failovers (``server_failovers``, ``server_downs``,
+``server_recoveries``, ``servers_down``).
+
 The embedded server requires a random API key that only the trainer's client is given, and loads
 weights from disk only under the run directory, so another local process cannot steer it.
 :meth:`Generation.check_behavior` watches the symptom anyway: a train row's ``behavior_kl`` above
@@ -29,7 +37,7 @@ from jaxprm.train.adapters import prompt_builder
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.policy import Policy
 from jaxprm.train.setup import TrainError
-from rollout.client import GenerationClient
+from rollout.client import GenerationClient, GenerationError
 
 __all__ = ["Generation"]
 
@@ -54,6 +62,8 @@ class Generation:
         self.prompts = prompt_builder(cfg, policy.tokenizer)  # env.action_format's tools and prefill
         self.max_context = policy.config.max_position_embeddings
         self.version = 0  # the weight version the server(s) have: the learner step that made the weights
+        self._pushed: tuple[int, Path] | None = None  # external: the last weights saved for the servers
+        self._counted: dict[str, int] = {}  # the client's counters at the last row
 
     async def start(self, *, resume_step: int = 0, push_weights: bool = False) -> None:
         """Start the embedded server or check the external ones. An external server gets the
@@ -75,6 +85,7 @@ class Generation:
             urls = list(s.urls)
         self.client = GenerationClient(s.client_config(urls, api_key=api_key))
         if s.kind == "external":
+            self.client.on_recover = self._restore
             await self.client.check_health()
             if s.token_backed:
                 await self.client.probe_token_io(self.prompts.initial([{"role": "user", "content": "Hi"}]))
@@ -96,12 +107,40 @@ class Generation:
             s = self.cfg.server
             out = Path(s.weight_sync_dir or (self.run_dir / "weights")).absolute() / f"step-{step}"
             save_pretrained(self.policy.module(params), self.policy.tokenizer, out)
-            await self.client.update_weights_from_disk(str(out), weight_version=step)
+            self._pushed = (step, out)  # what a server that recovers from now on gets
+            await self.client.update_weights_from_disk(str(out), weight_version=step)  # the servers up
             prev = out.parent / f"step-{step - 1}"
             if prev.exists():
                 shutil.rmtree(prev, ignore_errors=True)
+            await self.client.recover()  # a server back since the last step gets these weights now
         multihost.barrier(f"jaxprm-weight-sync-{step}")
         self.version = step
+
+    async def _restore(self, endpoint: str) -> None:
+        """The client's ``on_recover`` hook: a server that answers again gets the weights last synced
+        (none synced yet: its own weights are version 0), then must report that weight version; a
+        sync that lands meanwhile is pushed too. Raises :class:`GenerationError` (it stays down)."""
+        while True:
+            version, path = self._pushed or (self.version, None)
+            if path is not None:
+                await self.client.update_weights_from_disk(str(path), weight_version=version, endpoints=[endpoint])
+            served = await self.client.weight_version(endpoint)
+            if served != version:
+                raise GenerationError(f"{endpoint} serves weight version {served} after recovery, not {version}")
+            if (self._pushed or (self.version, None))[0] == version:
+                break
+        self.log(f"generation server {endpoint} is back, serving weight version {version}")
+
+    def server_health(self) -> dict[str, int]:
+        """Failover counts since the last call (the step's): ``server_failovers`` (requests sent again
+        to another server after a lost connection), ``server_downs``, ``server_recoveries``; and
+        ``servers_down`` (now)."""
+        stats = self.client.stats() if self.client is not None else {}
+        names = {"failovers": "server_failovers", "marked_down": "server_downs", "recovered": "server_recoveries"}
+        out = {row: stats.get(key, 0) - self._counted.get(key, 0) for key, row in names.items()}
+        self._counted = stats
+        out["servers_down"] = stats.get("down", 0)
+        return out
 
     def check_behavior(self, step: int, row: dict[str, Any]) -> None:
         """Warn (``server.warn_behavior_kl``) or stop with :class:`TrainError`

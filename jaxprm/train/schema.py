@@ -63,7 +63,12 @@ class ServerConfig:
     ``warn_behavior_kl`` / ``max_behavior_kl``: a train row's ``behavior_kl`` (the sampler's
     log-probs against the learner's, before the step's first update; ~0 when the server serves the
     learner's policy) above the first logs a warning, above the second stops the run with an error
-    (``null``: never stop)."""
+    (``null``: never stop).
+
+    ``unavailable_timeout_s``: an external server that stops answering is taken out of rotation and
+    its requests go to the others; when every server has been down this long the run stops with one
+    line (restart them and ``--resume``). A server that comes back gets the current weights and must
+    report their ``weight_version`` before it serves again."""
 
     kind: Literal["embedded", "external"] = "embedded"
     urls: list[str] = dataclasses.field(default_factory=list)
@@ -88,6 +93,7 @@ class ServerConfig:
     max_prefill_tokens: int = 256
     batch_window_ms: float = 5.0
     weight_sync_dir: str | None = None  # external: where the policy is saved for /update_weights_from_disk
+    unavailable_timeout_s: float = 300.0
     warn_behavior_kl: float = 0.05
     max_behavior_kl: float | None = 1.0
 
@@ -119,7 +125,8 @@ class ServerConfig:
         """The rollout client's config: calls ``urls`` (the embedded server's or ``self.urls``)."""
         return ClientConfig(endpoints=tuple(urls), dialect=self.dialect, model=self.model_name or "jaxprm",
                             api_key=api_key, timeout_s=self.timeout_s, max_retries=self.max_retries,
-                            max_concurrency=self.concurrency, require_tokens=self.token_backed)
+                            max_concurrency=self.concurrency, require_tokens=self.token_backed,
+                            unavailable_timeout_s=self.unavailable_timeout_s)
 
     def serve_config(self, *, api_key: str | None, weights_roots: tuple[str, ...] = ()) -> ServeConfig:
         """The embedded server's config (served as ``jaxprm``; loads weights only under ``weights_roots``)."""

@@ -16,10 +16,11 @@ from rollout.client import (
     GenerationClient,
     GenerationError,
     SamplingParams,
+    ServersUnavailableError,
     TextOnlyResponseError,
     top_entropies,
 )
-from rollout.testing import ServerScript, fixed_text_policy, hashed_action_policy
+from rollout.testing import ScriptedServer, ServerScript, fixed_text_policy, hashed_action_policy
 
 PARAMS = SamplingParams(max_tokens=32, seed=7)
 
@@ -116,13 +117,71 @@ def test_timeout_exhausts_retries(serve, tok):
         run(_one(srv.url, "vllm", [1], timeout_s=0.1, max_retries=1, backoff_base_s=0.001))
 
 
-def test_connection_refused_is_retried_then_fails():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with pytest.raises(GenerationError, match="ConnectError"):
-        run(_one(f"http://127.0.0.1:{port}", "vllm", [1], max_retries=2, backoff_base_s=0.001))
+def test_a_refused_connection_waits_for_a_server_then_fails_after_unavailable_timeout_s(free_port):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServersUnavailableError, match=r"down for 1 s .*ConnectError"):
+        run(_one(url, "vllm", [1], max_retries=2, backoff_base_s=0.001, unavailable_timeout_s=1.0, probe_base_s=0.05))
+
+
+def test_a_lost_server_is_marked_down_and_serves_again_only_after_on_recover(tok, free_port):
+    """A dead endpoint is marked down on its first refused connection (that request fails over,
+    without using a retry), gets no requests while down, and returns only when its health probe and
+    the ``on_recover`` hook both succeed (a failing hook keeps it down)."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
+    live_script, back_script = (ServerScript(policy=fixed_text_policy(tok, "ok")) for _ in range(2))
+
+    async def go(live):
+        calls = []
+
+        async def hook(ep):
+            calls.append(ep)
+            if len(calls) == 1:
+                raise GenerationError("weights not pushed yet")
+
+        cfg = ClientConfig(endpoints=(dead, live.url), backoff_base_s=0.001, max_retries=0, probe_base_s=60)
+        async with GenerationClient(cfg) as c:
+            c.on_recover = hook
+            before = [await c.generate([1], PARAMS) for _ in range(3)]
+            assert c.health.down().keys() == {dead} and c.stats()["failovers"] == 1
+            with ScriptedServer(back_script, tok, port=port):
+                assert await c.recover() == [dead]  # it answers, but the hook refused: still down
+                assert await c.generate([2], PARAMS) and back_script.requests == 0
+                assert await c.recover() == []
+                after = await asyncio.gather(*[c.generate([3], PARAMS) for _ in range(4)])
+            return before, after, calls, c.stats()
+
+    with ScriptedServer(live_script, tok) as live:
+        before, after, calls, stats = run(go(live))
+    assert [g.attempts for g in before] == [2, 1, 1] and {g.endpoint for g in before} == {live.url}
+    assert calls == [dead, dead] and back_script.requests == 2  # the two requests least-loaded routing sent it
+    assert sorted(g.endpoint for g in after) == sorted([dead, dead, live.url, live.url])
+    assert (stats["marked_down"], stats["recovered"], stats["failed_probes"], stats["down"]) == (1, 1, 1, 0)
+    assert stats["retries"] == 0 and stats["failures"] == 0
+
+
+def test_with_every_server_down_requests_wait_and_go_on_when_one_returns(tok, free_port):
+    """The one server dies: a request waits (probing with backoff) instead of failing, and is sent
+    again, with the same body and seed, to the restarted server."""
+    port = free_port()
+    script = ServerScript(policy=hashed_action_policy(tok))
+
+    async def go():
+        cfg = ClientConfig(endpoints=(f"http://127.0.0.1:{port}",), probe_base_s=0.05, probe_max_s=0.2,
+                           unavailable_timeout_s=30)
+        async with GenerationClient(cfg) as c:
+            with ScriptedServer(script, tok, port=port):
+                first = await c.generate([5, 6], PARAMS)
+            waiting = asyncio.ensure_future(c.generate([5, 6], PARAMS))
+            await asyncio.sleep(0.5)
+            assert not waiting.done() and c.stats()["down"] == 1
+            with ScriptedServer(script, tok, port=port):
+                again = await waiting
+            return first, again, c.stats()
+
+    first, again, stats = run(go())
+    assert np.array_equal(first.response.output_tokens, again.response.output_tokens)  # the same seeded sample
+    assert again.attempts == 2 and stats["failovers"] == 1 and stats["recovered"] == 1 and stats["failed_probes"] >= 1
 
 
 @pytest.mark.parametrize("limit", [1, 3])
