@@ -507,7 +507,7 @@ class GenerationClient:
         for ep in self.health.up() if endpoints is None else endpoints:
             try:
                 data, *_ = await self._send("POST", "/update_weights_from_disk", payload, endpoint=ep)
-            except GenerationError as e:
+            except GenerationError:
                 if endpoints is None and not self.health.is_up(ep):
                     continue  # it died under the push: its recovery pushes again
                 raise
