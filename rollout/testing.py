@@ -439,21 +439,24 @@ class ScriptedServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m rollout.testing --port P [--policy frozenlake|hashed|tools] [--delay S]``: serve until
-    killed (``tools``: hashed ``move`` tool calls with the tools template)."""
+    """``python -m rollout.testing --port P [--policy frozenlake|hashed|tools|judge] [--delay S]``: serve
+    until killed (``tools``: hashed ``move`` tool calls with the tools template; ``judge``: an LLM
+    judge's ``{"score": x}`` answers, x hashed from the prompt)."""
     import argparse
 
     import uvicorn
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--policy", choices=["frozenlake", "hashed", "tools"], default="frozenlake")
+    ap.add_argument("--policy", choices=["frozenlake", "hashed", "tools", "judge"], default="frozenlake")
     ap.add_argument("--p-good", type=float, default=0.7)
     ap.add_argument("--delay", type=float, default=0.0)
     args = ap.parse_args(argv)
     tok = make_tools_test_tokenizer() if args.policy == "tools" else make_test_tokenizer()
     if args.policy == "frozenlake":
         pol = frozenlake_policy(tok, p_good=args.p_good)
+    elif args.policy == "judge":  # an LLM judge's answer: a score that hashes the prompt
+        pol = hashed_action_policy(tok, answer=lambda a: '{"score": %.2f}' % ((ACTIONS.index(a) + 0.5) / 4))
     else:
         pol = hashed_action_policy(tok, answer=tool_call_text if args.policy == "tools" else None)
     script = ServerScript(policy=pol, delay_s=args.delay)

@@ -18,7 +18,7 @@ from rollout.testing import ScriptedServer, ServerScript, hashed_action_policy, 
 
 from .conftest import ADMIN
 
-AGENT = Path(__file__).with_name("agent_process.py")
+AGENT = Path(__file__).resolve().parents[2] / "benchmarks" / "agent_process.py"
 
 
 async def _agent(srv, key: str, turns: int, pause: float) -> asyncio.subprocess.Process:

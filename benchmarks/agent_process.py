@@ -1,6 +1,7 @@
-"""A stand-alone agent process for the kill tests: ``python agent_process.py BASE_URL KEY TURNS
-PAUSE_S`` plays ``TURNS`` chat turns through the proxy with the official SDK (sleeping ``PAUSE_S``
-between them), then sets a reward of 1 and exits."""
+"""A stand-alone agent process for the agent-kill test and ``benchmarks.chaos``:
+``python agent_process.py BASE_URL KEY TURNS PAUSE_S`` plays ``TURNS`` chat turns through the proxy
+with the official SDK (printing ``turn N`` after each, then sleeping ``PAUSE_S``), then sets a reward
+of 1 and exits."""
 
 from __future__ import annotations
 
