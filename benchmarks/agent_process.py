@@ -5,15 +5,21 @@ of 1 and exits."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import httpx
 import openai
 
 
-def main() -> None:
-    base_url, key, turns, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base_url")
+    ap.add_argument("key")
+    ap.add_argument("turns", type=int)
+    ap.add_argument("pause", type=float)
+    a = ap.parse_args(argv)
+    base_url, key, turns, pause = a.base_url, a.key, a.turns, a.pause
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     messages = [{"role": "user", "content": "Map:\nP _\n_ G\nWhat is your move?"}]
     for t in range(turns):

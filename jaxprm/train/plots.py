@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["training_curves", "health_curves", "tree_png"]
+__all__ = ["training_curves", "health_curves", "health_figure", "tree_png"]
 
 _STATUS_COLORS = {"success": "tab:green", "done": "tab:gray", "max_turns": "tab:blue", "pruned": "tab:red",
                   "loop": "tab:orange", "context": "tab:purple", "invalid": "tab:brown"}
@@ -66,7 +66,12 @@ def health_curves(metrics_path: str | Path, out: str | Path) -> Path:
     programs compiled; flat after warm-up when nothing leaks."""
     from jaxprm.train.rundir import read_metrics
 
-    tr = [r for r in read_metrics(metrics_path) if r.get("kind") == "train" and "rss_mb" in r]
+    return health_figure(read_metrics(metrics_path), out)
+
+
+def health_figure(rows: list[dict[str, Any]], out: str | Path) -> Path:
+    """:func:`health_curves` from metrics rows (train rows with ``rss_mb`` are drawn)."""
+    tr = [r for r in rows if r.get("kind") == "train" and "rss_mb" in r]
     plt = _plt()
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
     for ax, (key, label) in zip(axes, (("rss_mb", "RSS (MB)"), ("open_fds", "open descriptors"),

@@ -1,0 +1,95 @@
+"""Long-run health: one long training run, the trainer process sampled every step.
+
+    python -m benchmarks.long_run [--steps 500] [--warmup 50] [--small] [--json PATH] [key=value ...]
+    python -m benchmarks.long_run --plot benchmarks/results/long_run_cpu.json   # the figure again
+
+Every train row carries the trainer's RSS, open file descriptors, OS threads and programs compiled
+(``jaxprm.train.health``). After ``--warmup`` steps each must be flat: the benchmark fits a line to
+steps ``warmup..N`` and reports its slope per 100 steps, the range, and the first and last values.
+A leak shows as a slope that does not fade. ``--small`` runs the tests' small settings (2 tasks x 4
+samples a step, no warm start: ~2 s a step on 2 CPU cores) instead of the default config (~25 s a
+step), the same code path per step with smaller batches. Writes JSON (with provenance and every
+step's sample) and ``PATH.png`` drawn from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("rss_mb", "open_fds", "threads", "compiled_programs")
+SMALL = [
+    "env.train_tasks=64", "env.eval_tasks=2", "eval.num_tasks=2", "eval.samples=2", "eval.every_steps=100",
+    "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.b0=2", "rollout.top_k=1", "rollout.k=2",
+    "warm_start.enabled=false", "checkpoint.every_steps=10", "checkpoint.keep=2",
+]
+
+
+def flatness(rows: list[dict], warmup: int) -> dict:
+    """Per key: first/last value after warm-up, range, and the least-squares slope per 100 steps."""
+    out = {}
+    for key in KEYS:
+        pts = np.array([(r["step"], r[key]) for r in rows if r["step"] >= warmup and r.get(key) is not None], float)
+        if len(pts) < 2:
+            out[key] = None
+            continue
+        slope = np.polyfit(pts[:, 0], pts[:, 1], 1)[0]
+        out[key] = {"after_warmup": pts[0, 1], "last": pts[-1, 1], "min": pts[:, 1].min(), "max": pts[:, 1].max(),
+                    "slope_per_100_steps": round(float(slope) * 100, 3)}
+    return out
+
+
+def _plot(result: dict, out: Path) -> None:
+    from jaxprm.train.plots import health_figure
+
+    health_figure([{"kind": "train", **r} for r in result["series"]], out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--small", action="store_true", help="the tests' small settings instead of the default config")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "long_run_cpu.json")
+    ap.add_argument("--plot", type=Path, default=None, help="only draw the figure of an existing JSON")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if args.plot is not None:
+        _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return 0
+    from benchmarks.provenance import provenance
+    from jaxprm.train.rundir import read_metrics
+
+    run = Path(tempfile.mkdtemp(prefix="jaxprm-long-run-")) / "run"
+    cmd = [sys.executable, "-m", "jaxprm.train", *(SMALL if args.small else []), f"steps={args.steps}",
+           "progress=false", "export_final=false", f"run_dir={run}", *args.overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
+    series = [{"step": r["step"], **{k: r.get(k) for k in KEYS}} for r in rows]
+    result = {**provenance(), "benchmark": "long_run", "steps": args.steps, "warmup": args.warmup,
+              "small": args.small, "overrides": args.overrides, "run_dir": str(run),
+              "flatness": flatness(series, args.warmup), "series": series}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    _plot(result, args.json.with_suffix(".png"))
+    print("| sample | after warm-up | last | min | max | slope per 100 steps |\n|---|---|---|---|---|---|")
+    for key, f in result["flatness"].items():
+        if f:
+            print(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
+                  f"| {f['slope_per_100_steps']:g} |")
+    print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
