@@ -423,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=10, help="generation-server kills")
     ap.add_argument("--scorer-kills", type=int, default=5, help="judge-server kills")
     ap.add_argument("--agent-kills", type=int, default=10, help="agent-process kills")
-    ap.add_argument("--steps", type=int, default=160, help="training steps of the generation campaign's run")
-    ap.add_argument("--scorer-steps", type=int, default=90, help="training steps of the scorer campaign's run")
+    ap.add_argument("--steps", type=int, default=200, help="training steps of the generation campaign's run")
+    ap.add_argument("--scorer-steps", type=int, default=260,
+                    help="training steps of the scorer campaign's run (steps whose groups were all rejected take "
+                         "~0.1 s: a judge down 20 s passes ~30 of them)")
     ap.add_argument("--down-s", type=float, default=20.0, help="seconds a killed server stays down")
     ap.add_argument("--only", choices=["generation", "scorer", "agent"], nargs="*", default=None,
                     help="run only these campaigns")
