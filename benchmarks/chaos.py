@@ -424,12 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scorer-kills", type=int, default=5, help="judge-server kills")
     ap.add_argument("--agent-kills", type=int, default=10, help="agent-process kills")
     ap.add_argument("--steps", type=int, default=200, help="training steps of the generation campaign's run")
-    ap.add_argument("--scorer-steps", type=int, default=260,
+    ap.add_argument("--scorer-steps", type=int, default=450,
                     help="training steps of the scorer campaign's run (steps whose groups were all rejected take "
                          "~0.1 s: a judge down 20 s passes ~30 of them)")
     ap.add_argument("--down-s", type=float, default=20.0, help="seconds a killed server stays down")
     ap.add_argument("--only", choices=["generation", "scorer", "agent"], nargs="*", default=None,
-                    help="run only these campaigns")
+                    help="run only these campaigns (the JSON keeps the other campaigns it holds)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill times and victims")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "chaos_cpu.json")
     ap.add_argument("--work", type=Path, default=None, help="where runs and logs go (default: a temp dir)")
@@ -448,6 +448,12 @@ def main(argv: list[str] | None = None) -> int:
                                          down_s=args.down_s, rng=rng))
     if "agent" in only:
         campaigns.append(agent_campaign(kills=args.agent_kills, rounds=max(1, args.agent_kills // 2), rng=rng))
+    for c in campaigns:
+        c["provenance"] = provenance()  # each campaign's own: --only re-runs some and keeps the others
+    if args.only and args.json.is_file():  # keep the campaigns not re-run, in their order
+        fresh = {c["kind"]: c for c in campaigns}
+        kept = [fresh.pop(c["kind"], c) for c in json.loads(args.json.read_text())["campaigns"]]
+        campaigns = kept + list(fresh.values())
     table = _table(campaigns)
     print(table)
     out = {**provenance(), "benchmark": "chaos", **{k: (str(v) if isinstance(v, Path) else v)
