@@ -22,7 +22,8 @@ Each kill comes 1-3 steps after the previous recovery, so at most one server is 
 the runs' ``--steps`` leave room for all kills. Reported per campaign: faults injected, steps lost
 (train rows missing from 1..N; goal 0), rows duplicated (goal 0), the largest ``behavior_kl`` of
 any step (a server sampling stale weights shows here; ~0: every sample came from the learner's
-policy), the failovers and recoveries the rows counted, and the time to recover. Writes JSON (with
+policy), the steps without an update (every group rejected: the row is there, nothing was
+learned), the failovers and recoveries the rows counted, and the time to recover. Writes JSON (with
 provenance) to ``benchmarks/results/chaos_cpu.json`` and prints a table.
 """
 
@@ -200,6 +201,7 @@ def _run_record(kind: str, rc: int, faults: list[dict], steps: int, rows: list[d
         "steps": steps,
         "steps_lost": len(set(range(1, steps + 1)) - set(steps_seen)),
         "rows_duplicated": len(steps_seen) - len(set(steps_seen)),
+        "skipped_steps": sum(bool(r.get("skipped")) for r in rows),  # every group rejected: no update
         "max_behavior_kl": max((float(r["behavior_kl"]) for r in rows if r.get("behavior_kl") is not None),
                                default=None),
         "log_tail": log.read_text()[-1500:] if rc != 0 else "",
@@ -295,7 +297,6 @@ def scorer_campaign(work: Path, *, steps: int, kills: int, down_s: float, rng: r
                 kinds[k.split("/", 1)[1]] = kinds.get(k.split("/", 1)[1], 0) + int(v)
     return {**_run_record("scorer server (LLM judge)", rc, faults, steps, rows, log),
             "groups_rejected": sum(_rejected(r) for r in rows), "rejected_by_kind": kinds,
-            "skipped_steps": sum(bool(r.get("skipped")) for r in rows),
             "failovers": 0, "recoveries": sum(k["recover_s"] is not None for k in faults)}
 
 
@@ -407,13 +408,14 @@ def agent_campaign(*, kills: int, rounds: int, rng: random.Random, groups: int =
 
 
 def _table(campaigns: list[dict]) -> str:
-    lines = ["| campaign | faults | steps lost | rows duplicated | max behavior_kl | failovers | recoveries "
-             "| time to recover (s, median / max) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| campaign | faults | steps lost | rows duplicated | steps without an update | max behavior_kl "
+             "| failovers | recoveries | time to recover (s, median / max) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in campaigns:
         rec = sorted(k["recover_s"] for k in c["kills"] if k.get("recover_s") is not None)
         rec_s = f"{rec[len(rec) // 2]:.1f} / {rec[-1]:.1f}" if rec else "-"
         kl = "-" if c["max_behavior_kl"] is None else f"{c['max_behavior_kl']:.1e}"
-        lines.append(f"| {c['kind']} | {c['faults']} | {c['steps_lost']} | {c['rows_duplicated']} | {kl} "
+        skipped = f"{c['skipped_steps']} of {c['steps']}" if "skipped_steps" in c else "-"
+        lines.append(f"| {c['kind']} | {c['faults']} | {c['steps_lost']} | {c['rows_duplicated']} | {skipped} | {kl} "
                      f"| {c['failovers']} | {c['recoveries']} | {rec_s} |")
     return "\n".join(lines)
 
@@ -433,7 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill times and victims")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "chaos_cpu.json")
     ap.add_argument("--work", type=Path, default=None, help="where runs and logs go (default: a temp dir)")
+    ap.add_argument("--table", action="store_true", help="only print the table of the existing JSON (and store it)")
     args = ap.parse_args(argv)
+    if args.table:
+        out = json.loads(args.json.read_text())
+        out["table"] = _table(out["campaigns"])
+        args.json.write_text(json.dumps(out, indent=1))
+        print(out["table"])
+        return 0
     from benchmarks.provenance import provenance
 
     only = set(args.only or ["generation", "scorer", "agent"])
