@@ -1,7 +1,7 @@
 """Long-run health: one long training run, the trainer process sampled every step.
 
     python -m benchmarks.long_run [--steps 500] [--warmup 50] [--small] [--json PATH] [key=value ...]
-    python -m benchmarks.long_run --plot benchmarks/results/long_run_cpu.json   # the figure again
+    python -m benchmarks.long_run --plot benchmarks/results/long_run_cpu.json [--warmup N]  # figure, table again
 
 Every train row carries the trainer's RSS, open file descriptors, OS threads and programs compiled
 (``jaxprm.train.health``). After ``--warmup`` steps each must be flat: the benchmark fits a line to
@@ -52,6 +52,15 @@ def _plot(result: dict, out: Path) -> None:
     health_figure([{"kind": "train", **r} for r in result["series"]], out)
 
 
+def _print(result: dict) -> None:
+    print(f"after step {result['warmup']}:\n| sample | after warm-up | last | min | max | slope per 100 steps |\n"
+          "|---|---|---|---|---|---|")
+    for key, f in result["flatness"].items():
+        if f:
+            print(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
+                  f"| {f['slope_per_100_steps']:g} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=500)
@@ -61,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None, help="only draw the figure of an existing JSON")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    if args.plot is not None:
-        _plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+    if args.plot is not None:  # the figure again, and the flatness for this --warmup
+        result = json.loads(args.plot.read_text())
+        result["warmup"], result["flatness"] = args.warmup, flatness(result["series"], args.warmup)
+        args.plot.write_text(json.dumps(result, indent=1))
+        _plot(result, args.plot.with_suffix(".png"))
+        _print(result)
         return 0
     from benchmarks.provenance import provenance
     from jaxprm.train.rundir import read_metrics
@@ -82,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     _plot(result, args.json.with_suffix(".png"))
-    print("| sample | after warm-up | last | min | max | slope per 100 steps |\n|---|---|---|---|---|---|")
-    for key, f in result["flatness"].items():
-        if f:
-            print(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
-                  f"| {f['slope_per_100_steps']:g} |")
+    _print(result)
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0
 
