@@ -11,9 +11,10 @@
   and give the restarted server the current weights (checked by ``/get_weight_version``) before it
   samples again. Time to recover: from the restart to the server reporting the trainer's weights.
 * **A scorer server.** A run whose process reward is an LLM judge (``python -m rollout.testing
-  --policy judge``); the judge is SIGKILLed and restarted the same way. Groups are rejected with a
-  reason while it is down (after two failed calls the breaker rejects at once), the run goes on.
-  Time to recover: from the restart to the first step that began after it with no group rejected.
+  --policy judge``); the judge is SIGKILLed and restarted the same way. Its calls fail (after two
+  failed calls the breaker refuses at once), the step's groups are scored again once it answers
+  (``prm.unavailable_wait_s``). Time to recover: from the restart to the first train row written
+  after it with no group rejected.
 * **Agent processes** behind the recording proxy (the official SDK, ``benchmarks/agent_process.py``),
   SIGKILLed after a random turn: a group with a killed member must be rejected and counted, every
   other group exports one full row per session, no interaction twice ("steps lost" counts lost rows).
@@ -258,11 +259,11 @@ def _rejected(row: dict) -> int:
     return int(row.get("prm_rejected_groups", 0))
 
 
-def _first_clean_step(run: Path, *, after: int, deadline: float, trainer: subprocess.Popen) -> float | None:
-    """When a train row of a step later than ``after`` + 1 (one that began after the restart) first
-    shows no group rejected by the scorers; ``None`` if none did before ``deadline``."""
+def _first_clean_step(run: Path, *, after_rows: int, deadline: float, trainer: subprocess.Popen) -> float | None:
+    """When a train row written after the first ``after_rows`` (those before the restart) first shows
+    no group rejected by the scorers; ``None`` if none did before ``deadline``."""
     while time.monotonic() < deadline and trainer.poll() is None:
-        if any(r["step"] > after + 1 and not _rejected(r) for r in train_rows(run)):
+        if any(not _rejected(r) for r in train_rows(run)[after_rows:]):
             return time.monotonic()
         time.sleep(0.1)
     return None
@@ -284,8 +285,8 @@ def scorer_campaign(work: Path, *, steps: int, kills: int, down_s: float, rng: r
     deadline = time.monotonic() + timeout
     try:
         faults = _kill_loop(trainer, run, [judge], kills=kills, down_s=down_s, rng=rng, deadline=deadline,
-                            recovered=lambda v, t: _first_clean_step(run, after=_done(run), deadline=min(deadline, t + 300),
-                                                                     trainer=trainer))
+                            recovered=lambda v, t: _first_clean_step(run, after_rows=len(train_rows(run)),
+                                                                     deadline=min(deadline, t + 300), trainer=trainer))
         rc = _finish(trainer, deadline)
     finally:
         judge.kill()
@@ -426,9 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scorer-kills", type=int, default=5, help="judge-server kills")
     ap.add_argument("--agent-kills", type=int, default=10, help="agent-process kills")
     ap.add_argument("--steps", type=int, default=200, help="training steps of the generation campaign's run")
-    ap.add_argument("--scorer-steps", type=int, default=450,
-                    help="training steps of the scorer campaign's run (steps whose groups were all rejected take "
-                         "~0.1 s: a judge down 20 s passes ~30 of them)")
+    ap.add_argument("--scorer-steps", type=int, default=60, help="training steps of the scorer campaign's run")
     ap.add_argument("--down-s", type=float, default=20.0, help="seconds a killed server stays down")
     ap.add_argument("--only", choices=["generation", "scorer", "agent"], nargs="*", default=None,
                     help="run only these campaigns (the JSON keeps the other campaigns it holds)")

@@ -4,7 +4,8 @@ tree``).
 :meth:`StepCollector.collect` takes the step's tasks from the task stream, rolls them out as
 groups (``rollout.tree.run_groups``; in a distributed run each process its share, then the groups
 are gathered), applies DAPO's overlong shaping, scores them with the process-reward runner
-(``rollout.scoring.score_groups``; a rejected group is dropped, its reason counted), applies the
+(``rollout.scoring.score_groups``; a rejected group is dropped, its reason counted; while a
+scorer server is down the same groups are scored again, ``prm.unavailable_wait_s``), applies the
 group filter and, with DAPO's dynamic sampling, repeats in rounds until enough mixed groups are
 kept. It returns a :class:`Collected`: the kept groups (carrying their process rewards) and the
 step's row so far. The drivers (``jaxprm.train.drivers``) learn from it.
@@ -12,8 +13,10 @@ step's row so far. The drivers (``jaxprm.train.drivers``) learn from it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ import numpy as np
 from jaxprm.train import adapters, dapo, multihost
 from jaxprm.train.compilation import PhaseTimes, Span, measured
 from jaxprm.train.config import FLAT_STRATEGIES, TrainConfig
-from jaxprm.train.setup import TaskStream
+from jaxprm.train.setup import TaskStream, TrainError
 from rollout.export import filter_groups
 from rollout.groups import GroupRejected, GroupResult
 from rollout.scoring import ScoredGroups, score_groups
@@ -110,6 +113,39 @@ class StepCollector:
             stats.update({f"filter/{k}": v for k, v in counters.items()})
         return groups, stats
 
+    async def _score_waiting(self, step: int, groups: list[GroupResult]) -> tuple[ScoredGroups, int, float]:
+        """``score_groups``, again on the same groups while a scorer server is down (every group
+        rejected, as ``scorer_unavailable`` or by ``failed`` calls, at least one of the former; a
+        first scoring whose calls all failed is repeated once at once, as they may have opened a
+        breaker), pausing 0.5 s doubling to 5 s, for up to ``prm.unavailable_wait_s``
+        (then :class:`TrainError`). Returns ``(scoring, waits, seconds waited)``."""
+        scored = await score_groups(self.prm, groups)
+        limit = self.cfg.prm.unavailable_wait_s
+        t0, pause, waits = time.monotonic(), 0.5, 0
+
+        def refused(s: ScoredGroups) -> bool:  # every group rejected by failed or refused calls
+            return bool(groups) and not s.groups and set(s.rejected) <= {"scorer_unavailable", "failed"}
+
+        def down(s: ScoredGroups) -> bool:  # ... and a breaker is open: a server is down
+            return refused(s) and "scorer_unavailable" in s.rejected
+
+        if limit is not None and refused(scored) and not down(scored):
+            scored = await score_groups(self.prm, groups)  # calls that failed at once may have opened a breaker
+        while limit is not None and down(scored):
+            waited = time.monotonic() - t0
+            if waited >= limit:
+                raise TrainError(
+                    f"step {step}: a scorer server has been unavailable for {waited:.0f} s (prm.unavailable_wait_s="
+                    f"{limit:g}): {scored.reasons[-1][1] if scored.reasons else 'every group rejected'}. Restart it "
+                    "and --resume, or set prm.unavailable_wait_s: null to skip such steps")
+            if waits == 0:
+                self.log(f"step {step}: every group's scoring was refused (a scorer server is down); scoring them "
+                         f"again until it answers (prm.unavailable_wait_s={limit:g})")
+            await asyncio.sleep(min(pause, max(0.0, limit - waited)))
+            pause, waits = min(2 * pause, 5.0), waits + 1
+            scored = await score_groups(self.prm, groups)
+        return scored, waits, (time.monotonic() - t0) if waits else 0.0
+
     async def _round(self, step: int, rnd: int, phase, n_tasks: int) -> _Round:
         """One round of a step's rollouts: the next ``n_tasks`` tasks rolled out (this process's
         share), overlong shaping, process rewards and the filter, gathered over the processes."""
@@ -127,7 +163,11 @@ class StepCollector:
             groups, stats = dapo.shape_overlong(groups, cfg.rollout.max_new_tokens, dapo.overlong_buffer(cfg),
                                                 cfg.rollout.dapo.overlong_factor)
         with phase("score") as scoring:
-            scored = await score_groups(self.prm, groups) if self.prm is not None else None
+            scored = None
+            if self.prm is not None:
+                scored, waits, wait_s = await self._score_waiting(step, groups)
+                if waits:
+                    stats.update(scorer_waits=waits, scorer_wait_s=wait_s)
             split = [len(groups)]
             if self.multi:  # every process gets every process's groups (and scoring), in task order
                 parts = multihost.allgather_objects((groups, rejected, scored, stats))

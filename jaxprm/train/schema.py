@@ -290,9 +290,22 @@ class PRMSection(PRMConfig):
     """Process-reward scoring of finished branches (``scorers.PRMRunner``): :class:`scorers.PRMConfig`,
     declared, defaulted and validated there, with one default changed: scoring is off unless asked
     for. ``max_concurrent_sessions`` counts groups scored at once (the branches of a group in order);
-    ``timeout_s`` bounds scoring one group (past it the group is rejected)."""
+    ``timeout_s`` bounds scoring one group (past it the group is rejected).
+
+    ``unavailable_wait_s``: when every group of a step's round is rejected because a scorer server is
+    down (``scorer_unavailable``, or ``failed`` calls that open its breaker), the same groups are
+    scored again after a pause (0.5 s doubling to 5 s) instead of the step passing without an update,
+    for up to this many seconds; then the run stops with one line (``--resume`` continues).
+    ``null``: such a step is skipped (no update) and the run goes on."""
 
     enabled: bool = False
+    unavailable_wait_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        w = self.unavailable_wait_s
+        require(w is None or (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0),
+                "unavailable_wait_s", f"must be >= 0 or null, got {w!r}", type(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
