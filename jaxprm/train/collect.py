@@ -114,36 +114,47 @@ class StepCollector:
         return groups, stats
 
     async def _score_waiting(self, step: int, groups: list[GroupResult]) -> tuple[ScoredGroups, int, float]:
-        """``score_groups``, again on the same groups while a scorer server is down (every group
-        rejected, as ``scorer_unavailable`` or by ``failed`` calls, at least one of the former; a
-        first scoring whose calls all failed is repeated once at once, as they may have opened a
-        breaker), pausing 0.5 s doubling to 5 s, for up to ``prm.unavailable_wait_s``
-        (then :class:`TrainError`). Returns ``(scoring, waits, seconds waited)``."""
+        """``score_groups``, and while a scorer server is down (groups refused as
+        ``scorer_unavailable``, and no other rejection than that or ``failed`` calls) the refused
+        groups scored again, pausing 0.5 s doubling to 5 s, for up to ``prm.unavailable_wait_s``
+        (then :class:`TrainError`). A first scoring whose calls all failed is repeated once at once:
+        they may have opened a breaker. Returns ``(scoring, waits, seconds waited)``."""
         scored = await score_groups(self.prm, groups)
         limit = self.cfg.prm.unavailable_wait_s
         t0, pause, waits = time.monotonic(), 0.5, 0
+        order = {g.group_key: i for i, g in enumerate(groups)}
 
-        def refused(s: ScoredGroups) -> bool:  # every group rejected by failed or refused calls
-            return bool(groups) and not s.groups and set(s.rejected) <= {"scorer_unavailable", "failed"}
+        def refused_only(s: ScoredGroups) -> bool:  # rejections, all by failed or refused calls
+            return bool(s.rejected) and set(s.rejected) <= {"scorer_unavailable", "failed"}
 
-        def down(s: ScoredGroups) -> bool:  # ... and a breaker is open: a server is down
-            return refused(s) and "scorer_unavailable" in s.rejected
+        def down(s: ScoredGroups) -> bool:  # ... one of them refused by an open breaker
+            return refused_only(s) and "scorer_unavailable" in s.rejected
 
-        if limit is not None and refused(scored) and not down(scored):
-            scored = await score_groups(self.prm, groups)  # calls that failed at once may have opened a breaker
+        def again(s: ScoredGroups) -> list[GroupResult]:
+            done = {g.group_key for g in s.groups}
+            return [g for g in groups if g.group_key not in done]
+
+        async def rescore(s: ScoredGroups) -> ScoredGroups:
+            new = await score_groups(self.prm, again(s))
+            s.metrics.merge(new.metrics)
+            return ScoredGroups(groups=sorted(s.groups + new.groups, key=lambda g: order[g.group_key]),
+                                metrics=s.metrics, rejected=new.rejected, reasons=new.reasons)
+
+        if limit is not None and refused_only(scored) and not scored.groups and not down(scored):
+            scored = await rescore(scored)
         while limit is not None and down(scored):
             waited = time.monotonic() - t0
             if waited >= limit:
                 raise TrainError(
                     f"step {step}: a scorer server has been unavailable for {waited:.0f} s (prm.unavailable_wait_s="
-                    f"{limit:g}): {scored.reasons[-1][1] if scored.reasons else 'every group rejected'}. Restart it "
-                    "and --resume, or set prm.unavailable_wait_s: null to skip such steps")
+                    f"{limit:g}): {scored.reasons[-1][1] if scored.reasons else 'groups refused'}. Restart it "
+                    "and --resume, or set prm.unavailable_wait_s: null to skip such groups")
             if waits == 0:
-                self.log(f"step {step}: every group's scoring was refused (a scorer server is down); scoring them "
-                         f"again until it answers (prm.unavailable_wait_s={limit:g})")
+                self.log(f"step {step}: the scoring of {len(again(scored))} of {len(groups)} groups was refused (a "
+                         f"scorer server is down); scoring them again until it answers (prm.unavailable_wait_s={limit:g})")
             await asyncio.sleep(min(pause, max(0.0, limit - waited)))
             pause, waits = min(2 * pause, 5.0), waits + 1
-            scored = await score_groups(self.prm, groups)
+            scored = await rescore(scored)
         return scored, waits, (time.monotonic() - t0) if waits else 0.0
 
     async def _round(self, step: int, rnd: int, phase, n_tasks: int) -> _Round:

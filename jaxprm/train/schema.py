@@ -292,11 +292,11 @@ class PRMSection(PRMConfig):
     for. ``max_concurrent_sessions`` counts groups scored at once (the branches of a group in order);
     ``timeout_s`` bounds scoring one group (past it the group is rejected).
 
-    ``unavailable_wait_s``: when every group of a step's round is rejected because a scorer server is
-    down (``scorer_unavailable``, or ``failed`` calls that open its breaker), the same groups are
-    scored again after a pause (0.5 s doubling to 5 s) instead of the step passing without an update,
-    for up to this many seconds; then the run stops with one line (``--resume`` continues).
-    ``null``: such a step is skipped (no update) and the run goes on."""
+    ``unavailable_wait_s``: when groups are refused because a scorer server is down
+    (``scorer_unavailable``; no other rejection than that or ``failed`` calls), those groups are
+    scored again after a pause (0.5 s doubling to 5 s) instead of being dropped -- a step whose every
+    group is refused would pass without an update -- for up to this many seconds; then the run stops
+    with one line (``--resume`` continues). ``null``: they are dropped and the run goes on."""
 
     enabled: bool = False
     unavailable_wait_s: float | None = 300.0

@@ -1,6 +1,6 @@
-"""A process-reward scorer server that is down when a step is scored: the step's groups are scored
-again once it answers (``prm.unavailable_wait_s``) instead of the step passing without an update;
-past the wait the run stops in one line; ``null`` keeps the skip."""
+"""A process-reward scorer server that is down when a step is scored: the refused groups are scored
+again once it answers (``prm.unavailable_wait_s``) instead of being dropped (the step would pass
+without an update); past the wait the run stops in one line; ``null`` drops them."""
 
 from __future__ import annotations
 
