@@ -6,7 +6,8 @@ breaks the document's request schema is refused (negative data rejection).
 
 starts ``python -m jaxprm.serve``'s app for the tiny model in-process on a free loopback port
 (unless ``--url`` names a running server), generates ``--examples`` cases over all operations
-(schemathesis' positive and negative modes, no shrinking), and writes a JSON report: cases,
+(schemathesis' positive and negative modes, no shrinking; an operation the draw left out gets 5
+cases of its own), and writes a JSON report: cases,
 statuses (overall and per operation), server errors, check failures, wall time, load average.
 Exits 1 on any server error or failure. ``tests/serve/test_openapi.py`` runs :func:`fuzz` with a
 small budget in the default suite.
@@ -51,11 +52,11 @@ def fuzz(url: str, *, max_examples: int, seed: int = 0, headers: dict[str, str] 
     session = requests.Session()
     t0 = time.perf_counter()
 
-    @hypothesis.settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
-                         phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
-    @hypothesis.seed(seed)
-    @hypothesis.given(case=strategy)
-    def run(case):
+    settings = hypothesis.settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
+                                   phases=[hypothesis.Phase.generate],
+                                   suppress_health_check=list(hypothesis.HealthCheck))
+
+    def check(case):
         name = f"{case.operation.method.upper()} {case.operation.path}"
         response = case.call(base_url=url, session=session, headers=headers, timeout=timeout_s)
         statuses[str(response.status_code)] += 1
@@ -68,7 +69,12 @@ def fuzz(url: str, *, max_examples: int, seed: int = 0, headers: dict[str, str] 
             first = str(exc).strip().splitlines()
             failures.append(f"{name} -> {response.status_code}: {' | '.join(first[:6])}"[:600])
 
-    run()
+    settings(hypothesis.seed(seed)(hypothesis.given(case=strategy)(check)))()
+    for operation in (r.ok() for r in schema.get_all_operations()):  # one the draw left out gets a few cases
+        if f"{operation.method.upper()} {operation.path}" not in per_op:
+            alone = st.one_of(operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
+                              operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+            hypothesis.settings(settings, max_examples=5)(hypothesis.seed(seed)(hypothesis.given(case=alone)(check)))()
     return {"cases": sum(statuses.values()), "statuses": dict(sorted(statuses.items())),
             "operations": {k: dict(sorted(v.items())) for k, v in sorted(per_op.items())},
             "server_errors": sum(n for s, n in statuses.items() if s.startswith("5")),
