@@ -241,18 +241,17 @@ def generation_campaign(work: Path, *, steps: int, kills: int, down_s: float, rn
             "recoveries": sum(int(r.get("server_recoveries", 0)) for r in rows)}
 
 
-#: The scorer campaign's process reward: an LLM judge (``rollout.testing --policy judge``) on every turn.
-JUDGE_YAML = """\
-rollout: {{strategy: flat}}
-prm:
-  enabled: true
-  scorers:
-    - path: scorers.LLMJudgeScorer
-      weight: 0.1
-      kwargs: {{base_url: "{url}", model: judge, timeout_s: 5, max_retries: 1, backoff_s: 0.05,
-               breaker_failures: 2, breaker_probe_s: 1.0}}
-  advantage_shaping: {{mode: additive}}
-"""
+def judge_config(url: str, **kwargs) -> str:
+    """A config (YAML) whose process reward is an LLM judge at ``url`` on every turn (flat GRPO);
+    ``kwargs`` override the judge's (timeouts, retries, breaker)."""
+    import yaml
+
+    judge = {"base_url": url, "model": "judge", "timeout_s": 5, "max_retries": 1, "backoff_s": 0.05,
+             "breaker_failures": 2, "breaker_probe_s": 1.0, **kwargs}
+    return yaml.safe_dump({"rollout": {"strategy": "flat"},
+                           "prm": {"enabled": True, "scorers": [{"path": "scorers.LLMJudgeScorer", "weight": 0.1,
+                                                                 "kwargs": judge}],
+                                   "advantage_shaping": {"mode": "additive"}}})
 
 
 def _rejected(row: dict) -> int:
@@ -278,7 +277,7 @@ def scorer_campaign(work: Path, *, steps: int, kills: int, down_s: float, rng: r
     port = free_port()
     judge = ServerProcess(port, None, work / "judge.log",
                           ["-m", "rollout.testing", "--port", str(port), "--policy", "judge"]).start()
-    (work / "judge.yaml").write_text(JUDGE_YAML.format(url=judge.url))
+    (work / "judge.yaml").write_text(judge_config(judge.url))
     run, log = work / "run", work / "train.log"
     trainer = _trainer(["--config", str(work / "judge.yaml"), *[c for c in CONFIG if not c.startswith("server.")],
                         "rollout.strategy=flat", f"steps={steps}", f"run_dir={run}"], log)

@@ -9,24 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.chaos import judge_config
 from jaxprm.inprocess import ThreadedServer
 from jaxprm.train.config import ConfigError, load_config
 from jaxprm.train.loop import TrainError, train
 from jaxprm.train.rundir import read_metrics
 from tests.scorers.scorer_http_server import ScriptedServer as ScorerServer
 from tests.train.test_prm_wiring import SMALL
-
-JUDGE = """\
-rollout: {{strategy: flat}}
-prm:
-  enabled: true
-  scorers:
-    - path: scorers.LLMJudgeScorer
-      weight: 0.1
-      kwargs: {{base_url: "{url}", model: judge, timeout_s: 5, max_retries: 0, breaker_failures: 1,
-               breaker_probe_s: 0.2}}
-"""
-
 
 def _judge_on(port: int) -> ScorerServer:
     """The scripted judge (``{"score": 0.5}``) on ``port``: a judge server that comes back."""
@@ -38,7 +27,7 @@ def _judge_on(port: int) -> ScorerServer:
 
 
 def _run(tmp_path: Path, url: str, *overrides: str, log=lambda m: None):
-    (tmp_path / "judge.yaml").write_text(JUDGE.format(url=url))
+    (tmp_path / "judge.yaml").write_text(judge_config(url, max_retries=0, breaker_failures=1, breaker_probe_s=0.2))
     cfg = load_config(tmp_path / "judge.yaml", [*SMALL, "steps=1", "rollout.tasks_per_step=2", "eval.num_tasks=1",
                                                 *overrides, f"run_dir={tmp_path / 'run'}"])
     logs: list[str] = []
