@@ -299,15 +299,17 @@ class GenerationClient:
             return
         self.health.mark_up(ep)
 
-    async def recover(self) -> list[str]:
-        """Probe every down endpoint now (backoff aside) and wait for the probes; returns the
+    async def recover(self, wait_s: float = 5.0) -> list[str]:
+        """Probe every down endpoint now (backoff aside) and wait up to ``wait_s`` for the probes (one
+        that takes longer, e.g. a host that does not answer, goes on in the background); returns the
         endpoints still down. The trainer calls it between steps."""
         for ep in list(self.health.down()):
             task = self._probes.get(ep)
             if task is None or task.done():
                 self._probes[ep] = asyncio.ensure_future(self._probe(ep))
-        await asyncio.gather(*[t for e, t in list(self._probes.items()) if not self.health.is_up(e)],
-                             return_exceptions=True)
+        pending = [t for e, t in list(self._probes.items()) if not self.health.is_up(e) and not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=wait_s)
         return list(self.health.down())
 
     def release(self, route_key: str) -> None:
