@@ -105,10 +105,6 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(60)
 
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
 
 def train_rows(run: Path) -> list[dict]:
     from jaxprm.train.rundir import read_metrics
@@ -337,7 +333,7 @@ async def _agent_round(proxy, http, admin: dict, rng: random.Random, *, groups: 
     for (gid, s), k in zip(sessions, killed):
         by_group.setdefault(gid, []).append((s, k))
     out = {"killed": sum(killed), "groups": len(by_group), "rejected_with_kill": 0, "rejected_without_kill": 0,
-           "rows": 0, "rows_expected": 0, "interaction_ids": []}
+           "rows": 0, "rows_expected": 0, "short_rows": 0, "interaction_ids": []}
     for gid, members in by_group.items():
         r = await http.post(proxy.url + "/export_trajectories", headers=admin,
                             json={"session_ids": [s.id for s, _ in members], "group_id": gid})
@@ -349,8 +345,7 @@ async def _agent_round(proxy, http, admin: dict, rng: random.Random, *, groups: 
             out["rows_expected"] += len(members)
             out["rows"] += len(body["rows"])
             out["interaction_ids"] += [i for row in body["rows"] for i in row["interaction_ids"]]
-            out["short_rows"] = out.get("short_rows", 0) + sum(len(row["interaction_ids"]) != turns
-                                                               for row in body["rows"])
+            out["short_rows"] += sum(len(row["interaction_ids"]) != turns for row in body["rows"])
     return out
 
 
@@ -398,7 +393,7 @@ def agent_campaign(*, kills: int, rounds: int, rng: random.Random, groups: int =
         "groups": sum(r["groups"] for r in rounds_),
         "groups_rejected_with_a_kill": sum(r["rejected_with_kill"] for r in rounds_),
         "groups_rejected_without_a_kill": sum(r["rejected_without_kill"] for r in rounds_),
-        "steps_lost": sum(r["rows_expected"] - r["rows"] + r.get("short_rows", 0) for r in rounds_),  # rows lost
+        "steps_lost": sum(r["rows_expected"] - r["rows"] + r["short_rows"] for r in rounds_),  # rows lost
         "rows_duplicated": len(ids) - len(set(ids)),
         "rejected_groups_counted": stats.get("rejected_groups"),
         "live_sessions_after": stats.get("live_sessions"),

@@ -279,11 +279,15 @@ class GenerationClient:
             await asyncio.sleep(min(0.25, self.health.next_probe_in(), limit - down_for))
 
     def _probe_due(self) -> None:
-        """Start a probe of each down endpoint whose backoff has passed (one at a time per endpoint)."""
+        """Start a probe of each down endpoint whose backoff has passed."""
         for ep in self.health.due():
-            task = self._probes.get(ep)
-            if task is None or task.done():
-                self._probes[ep] = asyncio.ensure_future(self._probe(ep))
+            self._start_probe(ep)
+
+    def _start_probe(self, ep: str) -> None:
+        """Probe ``ep`` in the background unless a probe of it is already running (one at a time)."""
+        task = self._probes.get(ep)
+        if task is None or task.done():
+            self._probes[ep] = asyncio.ensure_future(self._probe(ep))
 
     async def _probe(self, ep: str) -> None:
         """One recovery attempt of a down endpoint: its health check, then ``on_recover``; it comes
@@ -304,9 +308,7 @@ class GenerationClient:
         that takes longer, e.g. a host that does not answer, goes on in the background); returns the
         endpoints still down. The trainer calls it between steps."""
         for ep in list(self.health.down()):
-            task = self._probes.get(ep)
-            if task is None or task.done():
-                self._probes[ep] = asyncio.ensure_future(self._probe(ep))
+            self._start_probe(ep)
         pending = [t for e, t in list(self._probes.items()) if not self.health.is_up(e) and not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=wait_s)
