@@ -80,6 +80,11 @@ class ThreadedServer(_Bound):
                 raise TimeoutError(f"{name} server did not start within {startup_timeout_s} s")
             time.sleep(0.005)
 
+    @property
+    def alive(self) -> bool:
+        """Serving: its thread runs and was not asked to stop."""
+        return self._thread.is_alive() and not self._server.should_exit
+
     def stop(self, timeout: float = 30.0, *, force: bool = False) -> None:
         """Stop serving (``force``: without waiting for open connections) and close the socket."""
         if self._thread.is_alive():

@@ -40,7 +40,8 @@ before the answer) marks its endpoint down and is sent again, with the same body
 per-request seed), to an endpoint still up; such a failover does not use up the request's retries.
 A down endpoint is probed (``GET /health``) with exponential backoff; when it answers, the
 ``on_recover`` hook (the trainer: push the current weights, check ``/get_weight_version``) must
-succeed before it gets requests again. While every endpoint is down, requests wait for one to
+succeed before it gets requests again; the ``before_probe`` hook runs first (the trainer restarts its
+embedded server there if it died). While every endpoint is down, requests wait for one to
 recover; after ``unavailable_timeout_s`` they fail with :class:`ServersUnavailableError`.
 """
 
@@ -190,6 +191,9 @@ class GenerationClient:
         # Awaited with a down endpoint that answers its health probe again; it must succeed (return)
         # for the endpoint to get requests again (the trainer pushes its weights and checks them).
         self.on_recover: Callable[[str], Awaitable[None]] | None = None
+        # Awaited at the start of each probe of a down endpoint, before its health check: the owner of
+        # an in-process server (the trainer's embedded one) restarts it there if it died.
+        self.before_probe: Callable[[str], Awaitable[None]] | None = None
         self._probes: dict[str, asyncio.Task] = {}
 
     async def __aenter__(self) -> GenerationClient:
@@ -290,9 +294,11 @@ class GenerationClient:
             self._probes[ep] = asyncio.ensure_future(self._probe(ep))
 
     async def _probe(self, ep: str) -> None:
-        """One recovery attempt of a down endpoint: its health check, then ``on_recover``; it comes
-        back up only if both succeed, else its next probe waits longer."""
+        """One recovery attempt of a down endpoint: ``before_probe``, its health check, then
+        ``on_recover``; it comes back up only if all succeed, else its next probe waits longer."""
         try:
+            if self.before_probe is not None:
+                await self.before_probe(ep)
             await self._health_check(ep, retries=0)
             if self.on_recover is not None:
                 await self.on_recover(ep)

@@ -32,6 +32,7 @@ class ServerHandle:
         self.tokenizer = tokenizer
         self.config = config
         self.app = create_app(sampler, tokenizer, config, load_fn=load_fn)
+        self._load_fn, self._startup_timeout_s, self._log_level = load_fn, startup_timeout_s, log_level
         self._http = ThreadedServer(self.app, host=host, port=port, name="jaxprm-serve", lifespan="on",
                                     log_level=log_level, access_log=True, startup_timeout_s=startup_timeout_s)
         self.host, self.port, self.url = host, self._http.port, self._http.url
@@ -81,6 +82,21 @@ class ServerHandle:
         cache is flushed. Pause the engine first (``/pause_generation``) to keep versions apart.
         """
         return self.sampler.update_params(params, version=version)
+
+    @property
+    def alive(self) -> bool:
+        """Its HTTP server runs and its engine too (``/health`` answers 200)."""
+        return self._http.alive and self.engine.running
+
+    def restarted(self) -> ServerHandle:
+        """Stop this server (whatever is left of it, open connections dropped) and serve the same
+        sampler -- its weights and weight version, its compiled programs -- again on the same host
+        and port, with a new engine (an empty KV pool and prefix cache). Returns the new handle."""
+        self._http.stop(timeout=10.0, force=True)
+        self.engine.stop()  # normally stopped by the app's shutdown already; never two engines on one sampler
+        return ServerHandle(self.sampler, self.tokenizer, self.config, host=self.host, port=self.port,
+                            load_fn=self._load_fn, startup_timeout_s=self._startup_timeout_s,
+                            log_level=self._log_level)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Shut the server down (idempotent); the engine stops with it."""

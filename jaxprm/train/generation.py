@@ -9,7 +9,10 @@ An external server that dies is marked down by the client and its requests go to
 same request, so the same per-request seed). When it answers its health probe again (a restarted
 vLLM serves its *base* weights), :meth:`Generation._restore` pushes the weights last synced and
 checks ``/get_weight_version`` before the server gets requests again; if every server stays down
-past ``server.unavailable_timeout_s`` the run stops with one line (``--resume`` continues). Each
+past ``server.unavailable_timeout_s`` the run stops with one line (``--resume`` continues). The
+embedded server is the same case with one server: found dead by a lost connection (or, between
+steps, by :meth:`sync`), it is restarted in place on its port with the weights it served
+(:meth:`Generation._revive`), and must report the synced weight version before it gets work. Each
 train row counts the step's failovers (``server_failovers``, ``server_downs``,
 ``server_recoveries``, ``servers_down``).
 
@@ -21,6 +24,7 @@ weights from disk only under the run directory, so another local process cannot 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import shutil
 from pathlib import Path
@@ -84,6 +88,9 @@ class Generation:
         else:
             urls = list(s.urls)
         self.client = GenerationClient(s.client_config(urls, api_key=api_key))
+        if s.kind == "embedded":
+            self.client.before_probe = self._revive
+            self.client.on_recover = self._check_version
         if s.kind == "external":
             self.client.on_recover = self._restore
             await self.client.check_health()
@@ -99,6 +106,8 @@ class Generation:
         In a distributed run every process calls it: each swaps the weights of its own embedded
         server; external servers are updated once, by process 0, and the others wait for it."""
         if self.server is not None:
+            if not self.server.alive:  # died since the last step without a request noticing
+                await self._revive(self.server.url)
             self.server.update_weights(_copy(self.policy.params), version=step)
             self.version = step
             return
@@ -130,6 +139,23 @@ class Generation:
             if (self._pushed or (self.version, None))[0] == version:
                 break
         self.log(f"generation server {endpoint} is back, serving weight version {version}")
+
+    async def _revive(self, endpoint: str) -> None:
+        """The client's ``before_probe`` hook for the embedded server: one found dead (its HTTP
+        thread or its engine stopped) is served again in place -- the same port, the same sampler,
+        so the weights last synced and their version -- and the probe then checks it."""
+        if self.server is None or self.server.alive:
+            return
+        self.log(f"the embedded server on {endpoint} died; restarting it in place")
+        self.server = await asyncio.to_thread(self.server.restarted)
+
+    async def _check_version(self, endpoint: str) -> None:
+        """The client's ``on_recover`` hook for the embedded server: it must serve the weight
+        version last synced. Raises :class:`GenerationError` (it stays down)."""
+        served = await self.client.weight_version(endpoint)
+        if served != self.version:
+            raise GenerationError(f"{endpoint} serves weight version {served} after recovery, not {self.version}")
+        self.log(f"the embedded server {endpoint} is back, serving weight version {served}")
 
     def server_health(self) -> dict[str, int]:
         """Failover counts since the last call (the step's): ``server_failovers`` (requests sent again
