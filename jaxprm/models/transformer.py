@@ -62,6 +62,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprm.models.config import ModelConfig
+from jaxprm.models.lora import lora_delta
 from jaxprm.models.rope import apply_rope, rope_cos_sin
 
 __all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention", "block_attention"]
@@ -143,6 +144,9 @@ class DecoderLayers(nnx.Module):
         for name in self.PARAM_NAMES:
             value = params.get(f"layers.{name}")
             setattr(self, name, None if value is None else nnx.Param(value))
+        # LoRA adapters (``jaxprm.models.lora.add_lora``): {target: stacked nnx.LoRA}, and their scale
+        self.lora: nnx.Dict | None = None
+        self.lora_scale = 0.0
 
     PARAM_NAMES = ("attn_norm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "q_norm",
                    "k_norm", "o_proj", "o_bias", "mlp_norm", "gate_proj", "up_proj", "down_proj")
@@ -151,14 +155,32 @@ class DecoderLayers(nnx.Module):
         """The present parameters as a dict of arrays with leading axis ``L`` (scan input)."""
         return {n: getattr(self, n)[...] for n in self.PARAM_NAMES if getattr(self, n) is not None}
 
+    def adapters(self) -> dict[str, dict[str, jax.Array]]:
+        """``{target: {"lora_a": [L, in, r], "lora_b": [L, r, out]}}`` (empty without LoRA)."""
+        if self.lora is None:
+            return {}
+        return {t: {"lora_a": m.lora_a[...], "lora_b": m.lora_b[...]} for t, m in self.lora.items()}
 
-def _layer(config: ModelConfig, x, p, cos, sin, attend):
-    """One pre-norm decoder layer on ``x [B, T, D]``; ``attend(q, k, v) -> [B, T, H, hd]``."""
+
+def _layer(config: ModelConfig, x, p, cos, sin, attend, lora_scale: float = 0.0):
+    """One pre-norm decoder layer on ``x [B, T, D]``; ``attend(q, k, v) -> [B, T, H, hd]``.
+
+    ``p["lora"]`` (optional) holds this layer's adapters ``{target: {"lora_a", "lora_b"}}``: each
+    adds ``lora_scale * nnx.LoRA(x_in)`` to its projection (``jaxprm.models.lora``)."""
     c = config
+    lora = p.get("lora", {})
+
+    def project(name: str, spec: str, x_in):
+        y = jnp.einsum(spec, x_in, p[name])
+        if name in lora:
+            flat = x_in.reshape(*x_in.shape[:2], -1)
+            y = y + lora_delta(flat, lora[name], lora_scale).reshape(y.shape).astype(y.dtype)
+        return y
+
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"])
-    k = jnp.einsum("btd,dhk->bthk", h, p["k_proj"])
-    v = jnp.einsum("btd,dhk->bthk", h, p["v_proj"])
+    q = project("q_proj", "btd,dhk->bthk", h)
+    k = project("k_proj", "btd,dhk->bthk", h)
+    v = project("v_proj", "btd,dhk->bthk", h)
     if c.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if c.qk_norm:
@@ -166,14 +188,14 @@ def _layer(config: ModelConfig, x, p, cos, sin, attend):
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn = attend(q, k, v)
-    o = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"])
+    o = project("o_proj", "bthk,hkd->btd", attn)
     if c.o_bias:
         o = o + p["o_bias"]
     x = x + o
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["gate_proj"])
-    up = jnp.einsum("btd,df->btf", h, p["up_proj"])
-    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"])
+    gate = project("gate_proj", "btd,df->btf", h)
+    up = project("up_proj", "btd,df->btf", h)
+    return x + project("down_proj", "btf,fd->btd", jax.nn.silu(gate) * up)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -273,6 +295,9 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0, mode="clip")
         cos, sin = rope_cos_sin(c, positions)
         params = self.layers.stacked()
+        scale = self.layers.lora_scale
+        if self.layers.lora is not None:
+            params["lora"] = self.layers.adapters()
 
         if subtree_end is not None and (cache is not None or subtree_end.shape != tokens.shape):
             raise ValueError(f"subtree_end {subtree_end.shape} must be [B, T] like tokens {tokens.shape} "
@@ -296,7 +321,7 @@ class Transformer(nnx.Module):
                     return attention(q, k, v, mask)
 
             def body(x, p):
-                return _layer(c, x, p, cos, sin, attend), None
+                return _layer(c, x, p, cos, sin, attend, scale), None
 
             if self.remat:
                 body = jax.checkpoint(body)
@@ -325,7 +350,7 @@ class Transformer(nnx.Module):
                     values = new["v"][layer].astype(v.dtype)
                     return attention(q, keys, values, mask)
 
-                x = _layer(c, x, p, cos, sin, attend)
+                x = _layer(c, x, p, cos, sin, attend, scale)
                 return (x, new["k"], new["v"]), None
 
             (x, ck, cv), _ = jax.lax.scan(

@@ -108,7 +108,7 @@ class Generation:
         if self.server is not None:
             if not self.server.alive:  # died since the last step without a request noticing
                 await self._revive(self.server.url)
-            self.server.update_weights(_copy(self.policy.params), version=step)
+            self.server.update_weights(self.policy.serving_params(_copy(self.policy.params)), version=step)
             self.version = step
             return
         params = _copy(self.policy.params, copy=False)  # saved to disk, not kept

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxprm.models import Transformer, merged_params
+
 __all__ = ["Policy", "learner_apply", "REMAT_MODES"]
 
 #: ``ppo.remat``: ``none``; ``block`` (each decoder layer recomputed in the backward pass: the
@@ -21,14 +23,28 @@ REMAT_MODES = ("none", "block", "full")
 
 class Policy:
     """A split NNX model. ``apply_fn(params, tokens[B, T], positions[B, T]) -> logits[B, T, V]``
-    (tree-packed rows add ``subtree_end`` or ``query_blocks``/``key_blocks``, see ``Transformer``)."""
+    (tree-packed rows add ``subtree_end`` or ``query_blocks``/``key_blocks``, see ``Transformer``).
+
+    A model with LoRA adapters (``jaxprm.models.add_lora``) splits three ways: ``params`` are the
+    adapters only (``nnx.LoRAParam``: what the learner trains, the optimizer holds and checkpoints
+    save), ``base`` the frozen weights (closed over by ``apply_fn``, never differentiated), and
+    :meth:`serving_params` / :meth:`module` give the merged plain model that servers and exports get."""
 
     def __init__(self, model: nnx.Module, tokenizer: Any = None) -> None:
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self._params = params.to_pure_dict()
         self.tokenizer = tokenizer
         self.config = getattr(model, "config", None)
         self._learner_fns: dict[tuple[str, str], Any] = {}
+        layers = getattr(model, "layers", None)
+        self.lora_scale = float(getattr(layers, "lora_scale", 0.0)) if getattr(layers, "lora", None) is not None else 0.0
+        if self.lora_scale:
+            self.graphdef, adapters, base, self.rest = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+            self._params, self.base = adapters.to_pure_dict(), base.to_pure_dict()
+            plain = nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0), remat=model.remat))
+            self._plain_graphdef, _, self._plain_rest = nnx.split(plain, nnx.Param, ...)
+        else:
+            self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+            self._params, self.base = params.to_pure_dict(), None
+            self._plain_graphdef, self._plain_rest = self.graphdef, self.rest
 
     @property
     def params(self) -> dict:
@@ -38,23 +54,54 @@ class Policy:
     def params(self, value: dict) -> None:
         self._params = value
 
+    @property
+    def is_lora(self) -> bool:
+        return self.base is not None
+
+    def _merge(self, params: dict, base: dict | None) -> nnx.Module:
+        if base is None:
+            return nnx.merge(self.graphdef, nnx.State(params), self.rest)
+        return nnx.merge(self.graphdef, nnx.State(params), nnx.State(base), self.rest)
+
     def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array, **attention: jax.Array) -> jax.Array:
-        model = nnx.merge(self.graphdef, nnx.State(params), self.rest)
-        out = model(tokens, positions, **attention)
+        return self._forward(params, tokens, positions, base=self.base, **attention)
+
+    def _forward(self, params, tokens, positions, *, base, **attention):
+        out = self._merge(params, base)(tokens, positions, **attention)
         return out[0] if isinstance(out, tuple) else out
 
     def learner_apply_fn(self, *, remat: str = "none", compute_dtype: str = "float32"):
         """:func:`learner_apply` over :meth:`apply_fn`, made once per setting (jitted programs are
-        cached per apply function)."""
+        cached per apply function). With LoRA and ``bfloat16``, the frozen weights are cast once."""
         key = (remat, compute_dtype)
         if key not in self._learner_fns:
-            self._learner_fns[key] = learner_apply(self.apply_fn, remat=remat, compute_dtype=compute_dtype)
+            self._learner_fns[key] = learner_apply(self._apply_in(compute_dtype), remat=remat, compute_dtype=compute_dtype)
         return self._learner_fns[key]
 
-    def module(self, params: dict | None = None) -> nnx.Module:
-        """An ``nnx.Module`` carrying ``params`` (default: the current ones)."""
+    def _apply_in(self, compute_dtype: str):
+        """:meth:`apply_fn`, or with LoRA and ``bfloat16`` a forward over frozen weights cast once."""
+        if not (self.is_lora and compute_dtype == "bfloat16"):
+            return self.apply_fn
+        base = _cast_floating(self.base, jnp.bfloat16)
+
+        def apply_fn(params, tokens, positions, **attention):
+            return self._forward(params, tokens, positions, base=base, **attention)
+        return apply_fn
+
+    def serving_params(self, params: dict | None = None) -> dict:
+        """The plain model's params for ``params`` (default: the current ones): themselves, or with
+        LoRA the frozen weights with the adapters merged in (``jaxprm.models.merged_params``)."""
         p = self._params if params is None else params
-        return nnx.merge(self.graphdef, nnx.State(jax.tree.map(jax.numpy.asarray, p)), self.rest)
+        return p if self.base is None else merged_params(self.base, p, self.lora_scale)
+
+    def module(self, params: dict | None = None) -> nnx.Module:
+        """An ``nnx.Module`` carrying ``params`` (default: the current ones); with LoRA the merged plain model."""
+        merged = jax.tree.map(jnp.asarray, self.serving_params(params))
+        return nnx.merge(self._plain_graphdef, nnx.State(merged), self._plain_rest)
+
+
+def _cast_floating(tree: Any, dtype) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def learner_apply(apply_fn, *, remat: str = "none", compute_dtype: str = "float32"):
@@ -74,7 +121,7 @@ def learner_apply(apply_fn, *, remat: str = "none", compute_dtype: str = "float3
 
     def forward(params, tokens, positions, **attention):
         if dtype is not None:
-            params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+            params = _cast_floating(params, dtype)
         return apply_fn(params, tokens, positions, **attention)
 
     return jax.checkpoint(forward) if remat == "full" else forward

@@ -8,7 +8,8 @@ override given at one resume (``steps=60``, ``optimizer.lr=1e-4``) holds for eve
 
 Everything may change on resume except the keys that define the run's data and its reference policy
 (:data:`FROZEN_KEYS`): ``seed`` (the task order and the RNG), the ``env`` section (the task set the
-checkpointed data position counts into) and whether ``advantage.kl_ctl`` is zero (the reference
+checkpointed data position counts into), ``model.lora`` (the checkpoint holds only adapters: their
+rank, targets and scale define the model) and whether ``advantage.kl_ctl`` is zero (the reference
 policy is checkpointed only when it is not). Changing one of those is refused with the key, the
 recorded value and the new one. A changed architecture (``model.*`` overrides, a different model
 file) is caught when the checkpoint is restored: its arrays are compared with the configured
@@ -29,7 +30,7 @@ from jaxprm.train.config import ConfigError, TrainConfig, dump_yaml, to_dict
 __all__ = ["FROZEN_KEYS", "HISTORY_DIR", "changed_keys", "check_resume", "latest_config_file", "record_resume"]
 
 #: Keys (or whole sections) a resume may not change; see the module docstring.
-FROZEN_KEYS = ("seed", "env")
+FROZEN_KEYS = ("seed", "env", "model.lora")
 HISTORY_DIR = "config.resumes"
 
 

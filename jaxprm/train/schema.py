@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from jaxprm.fields import FieldError, require
 from jaxprm.learner.advantages import AdvantageParams
+from jaxprm.models.lora import LoraConfig
 from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
 from jaxprm.serve.serving import ServeConfig
 from rollout.client import DIALECTS, ClientConfig
@@ -44,7 +45,9 @@ __all__ = [
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The policy. ``name`` is a preset (``tiny``, ``smollm2-135m``) or a path to an HF directory
-    or a ``.gguf`` file. ``overrides`` are passed to the tiny preset's architecture (e.g. layers)."""
+    or a ``.gguf`` file. ``overrides`` are passed to the tiny preset's architecture (e.g. layers).
+    ``lora`` (``rank``, ``alpha``, ``targets``): with ``rank > 0`` only adapters are trained,
+    optimized and checkpointed; servers, evaluation and the exported model get merged weights."""
 
     name: str = "tiny"
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -52,6 +55,8 @@ class ModelConfig:
     # params, gradients and optimizer state stay in ``dtype``; logits and the loss math stay float32)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # rank > 0: train LoRA adapters (nnx.LoRA) on lora.targets, the weights frozen (jaxprm.models.LoraConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxprm.models import Transformer, load_model, tiny_config
+from jaxprm.models import Transformer, add_lora, load_model, tiny_config
 from jaxprm.train.config import ConfigError, TrainConfig, dump_yaml
 from jaxprm.train.policy import Policy
 from jaxprm.train.resume import check_resume
@@ -64,6 +64,8 @@ def load_policy(cfg: TrainConfig) -> Policy:
         model = Transformer(mc, rngs=nnx.Rngs(cfg.seed))
     if cfg.ppo.remat == "block":
         model.remat = True  # per-layer checkpointing, part of the split graph (inference ignores it)
+    if cfg.model.lora.enabled:
+        add_lora(model, cfg.model.lora, jax.random.fold_in(jax.random.key(cfg.seed), 0x10_2A))
     return Policy(model, tok)
 
 
