@@ -95,3 +95,31 @@ def test_policy_trains_adapters_only_and_serves_the_plain_model():
     np.testing.assert_array_equal(served["layers"]["k_proj"], plain["layers"]["k_proj"])
     module = policy.module()
     assert isinstance(module, Transformer) and module.layers.lora is None
+
+
+def test_lora_with_remat_and_bf16_compute():
+    """``ppo.remat`` gives the adapters the same gradient; bf16 compute (frozen weights cast once,
+    adapters on the way in) stays within bf16 rounding of float32 and keeps float32 logits."""
+    target = jax.random.normal(jax.random.key(7), (2, 9, 64))
+
+    def grads(policy, fwd):
+        return jax.grad(lambda a: jnp.sum(fwd(a, TOKENS, POSITIONS) * target))(policy.params)
+
+    policy = Policy(_lora_model())
+    g0 = grads(policy, policy.apply_fn)
+    g_full = grads(policy, policy.learner_apply_fn(remat="full"))
+    block_model = _lora_model()
+    block_model.remat = True
+    block = Policy(block_model)
+    g_block = grads(block, block.learner_apply_fn(remat="block"))
+    for a, b, c in zip(jax.tree.leaves(g0), jax.tree.leaves(g_full), jax.tree.leaves(g_block)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * float(jnp.abs(a).max()))
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6 * float(jnp.abs(a).max()))
+    bf16 = policy.learner_apply_fn(compute_dtype="bfloat16")
+    l32, l16 = policy.apply_fn(policy.params, TOKENS, POSITIONS), bf16(policy.params, TOKENS, POSITIONS)
+    assert l16.dtype == jnp.float32
+    err = float(jnp.abs(l16 - l32).max())
+    assert 0 < err < 0.1 * float(jnp.abs(l32).max())  # bf16 matmuls did run (err > 0), within bf16 rounding
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(grads(policy, bf16))):
+        cos = float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+        assert cos >= 0.98, cos
