@@ -331,6 +331,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(r.source == "tree", "rollout.asynchronous",
                "needs rollout.source=tree (the recording proxy's agents are rolled out step by step)")
         _check(not cfg.distributed.enabled, "rollout.asynchronous", "is single-process (not with distributed.enabled)")
+    _check(not (cfg.model.lora.enabled and cfg.distributed.enabled), "model.lora",
+           "is single-process for now (not with distributed.enabled: the frozen weights are not placed on the global mesh)")
     validate_agent(cfg)
     e = cfg.env
     if e.name == "sokoban":

@@ -55,7 +55,7 @@ class Learner:
             epochs=ppo.epochs, num_minibatches=ppo.num_minibatches, loss_kwargs=adapters.loss_kwargs(cfg),
             mesh=mesh if n_dev > 1 else None, microbatch_rows=ppo.microbatch_rows, entropy_coef=ppo.entropy_coef,
             behaviour={"cap": ppo.behave_cap, "mode": ppo.behave_mode} if ppo.decoupled else None,
-            target_kl=ppo.target_kl)
+            target_kl=ppo.target_kl, frozen=policy.base)  # LoRA: the frozen weights, an argument of the step
         self.packed_step = None
         if cfg.rollout.export == "tree_packed":  # shared prefixes forwarded once (jaxprm.train.packed)
             microbatch_tokens = (ppo.microbatch_rows or 0) * max(ppo.len_buckets) or None
@@ -140,7 +140,7 @@ class Learner:
             inputs = packed_step_inputs(packed, batch, adv.advantages, agg=ppo.agg, loss_weights=adv.loss_weights)
             if ppo.decoupled:  # the proximal policy: this step's weights, before it updates them
                 inputs["proximal_logprobs"] = packed_reference_logprobs(
-                    self.apply_fn, self.state.params, packed, self.on_mesh)
+                    self.apply_fn, self.policy.with_frozen(self.state.params), packed, self.on_mesh)
             self.state, m = self.packed_step(self.state, inputs, key)
             if self.precompiler is not None:
                 R, N, S = inputs["key_blocks"].shape
@@ -169,7 +169,8 @@ class Learner:
 
     def _flat_logprobs(self, params: Any, batch: jaxprm.Batch) -> jax.Array:
         pos = jnp.broadcast_to(jnp.arange(batch.tokens.shape[1], dtype=jnp.int32), batch.tokens.shape)
-        return reference_logprobs(self.apply_fn, params, self.on_mesh(batch.tokens), self.on_mesh(pos))
+        return reference_logprobs(self.apply_fn, self.policy.with_frozen(params), self.on_mesh(batch.tokens),
+                                  self.on_mesh(pos))
 
     def _with_reference(self, batch: jaxprm.Batch, *, use_packed: bool, packed) -> jaxprm.Batch:
         """``batch`` with the KL reference's log-probs (masked), when the KL reward is on."""
@@ -177,7 +178,7 @@ class Learner:
             return batch
         if use_packed:
             ref = multihost.local_array(
-                packed_reference_logprobs(self.apply_fn, self.ref_params, packed, self.on_mesh))
+                packed_reference_logprobs(self.apply_fn, self.policy.with_frozen(self.ref_params), packed, self.on_mesh))
             ref = jaxprm.learner.gather_to_flat(ref, packed.flat_index)
         else:
             ref = multihost.local_array(self._flat_logprobs(self.ref_params, batch))

@@ -127,10 +127,11 @@ class PackedTrainStep(TrainStep):
 
     def __init__(self, apply_fn, optimizer, *, epochs: int = 1, num_minibatches: int = 1,
                  loss_kwargs: dict | None = None, mesh=None, microbatch_tokens: int | None = None,
-                 entropy_coef: float = 0.0, behaviour: dict | None = None, target_kl: float | None = None) -> None:
+                 entropy_coef: float = 0.0, behaviour: dict | None = None, target_kl: float | None = None,
+                 frozen=None) -> None:
         super().__init__(apply_fn, optimizer, packed_policy_loss, epochs=epochs, num_minibatches=num_minibatches,
                          loss_kwargs=loss_kwargs, mesh=mesh, entropy_coef=entropy_coef, behaviour=behaviour,
-                         target_kl=target_kl)
+                         target_kl=target_kl, frozen=frozen)
         if self.behaviour is not None and self.behaviour["mode"] == "mask_sequence":
             raise ValueError("behaviour mode 'mask_sequence' needs the flat rows: a packed token is shared by "
                              "several sequences (use 'truncate' or 'mask', or the flat export)")
@@ -138,10 +139,11 @@ class PackedTrainStep(TrainStep):
 
     @classmethod
     def like(cls, step: TrainStep, *, microbatch_tokens: int | None = None) -> PackedTrainStep:
-        """A packed step with the optimizer, loss options, epochs, minibatches and mesh of ``step``."""
+        """A packed step with the optimizer, loss options, epochs, minibatches, mesh and frozen weights of ``step``."""
         return cls(step.apply_fn, step.optimizer, epochs=step.epochs, num_minibatches=step.num_minibatches,
                    loss_kwargs=step.loss_kwargs, mesh=step.mesh, microbatch_tokens=microbatch_tokens,
-                   entropy_coef=step.entropy_coef, behaviour=step.behaviour, target_kl=step.target_kl)
+                   entropy_coef=step.entropy_coef, behaviour=step.behaviour, target_kl=step.target_kl,
+                   frozen=step.frozen)
 
     def _micro_rows(self, mb_rows: int, L: int) -> int:
         if not self.microbatch_tokens:

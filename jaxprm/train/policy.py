@@ -27,7 +27,8 @@ class Policy:
 
     A model with LoRA adapters (``jaxprm.models.add_lora``) splits three ways: ``params`` are the
     adapters only (``nnx.LoRAParam``: what the learner trains, the optimizer holds and checkpoints
-    save), ``base`` the frozen weights (closed over by ``apply_fn``, never differentiated), and
+    save), ``base`` the frozen weights (never differentiated; jitted code passes them as an argument,
+    :meth:`with_frozen`, e.g. ``TrainStep(frozen=policy.base)``), and
     :meth:`serving_params` / :meth:`module` give the merged plain model that servers and exports get."""
 
     def __init__(self, model: nnx.Module, tokenizer: Any = None) -> None:
@@ -63,30 +64,29 @@ class Policy:
             return nnx.merge(self.graphdef, nnx.State(params), self.rest)
         return nnx.merge(self.graphdef, nnx.State(params), nnx.State(base), self.rest)
 
-    def apply_fn(self, params: dict, tokens: jax.Array, positions: jax.Array, **attention: jax.Array) -> jax.Array:
-        return self._forward(params, tokens, positions, base=self.base, **attention)
-
-    def _forward(self, params, tokens, positions, *, base, **attention):
+    def apply_fn(self, params: Any, tokens: jax.Array, positions: jax.Array, **attention: jax.Array) -> jax.Array:
+        """Logits of the model with ``params``. With LoRA, ``params`` are the adapters (the frozen
+        weights then come from :attr:`base`) or a pair ``(adapters, frozen weights)``: inside a
+        jitted function, pass the pair (:meth:`with_frozen`), so that the frozen weights are an
+        argument of the program, not constants compiled into it."""
+        base = None
+        if self.base is not None:
+            params, base = params if isinstance(params, tuple) else (params, self.base)
         out = self._merge(params, base)(tokens, positions, **attention)
         return out[0] if isinstance(out, tuple) else out
 
+    def with_frozen(self, params: Any) -> Any:
+        """What :meth:`apply_fn` takes for ``params`` inside a jitted function: ``params`` itself, or with
+        LoRA the pair ``(adapters, frozen weights)``."""
+        return params if self.base is None else (params, self.base)
+
     def learner_apply_fn(self, *, remat: str = "none", compute_dtype: str = "float32"):
         """:func:`learner_apply` over :meth:`apply_fn`, made once per setting (jitted programs are
-        cached per apply function). With LoRA and ``bfloat16``, the frozen weights are cast once."""
+        cached per apply function)."""
         key = (remat, compute_dtype)
         if key not in self._learner_fns:
-            self._learner_fns[key] = learner_apply(self._apply_in(compute_dtype), remat=remat, compute_dtype=compute_dtype)
+            self._learner_fns[key] = learner_apply(self.apply_fn, remat=remat, compute_dtype=compute_dtype)
         return self._learner_fns[key]
-
-    def _apply_in(self, compute_dtype: str):
-        """:meth:`apply_fn`, or with LoRA and ``bfloat16`` a forward over frozen weights cast once."""
-        if not (self.is_lora and compute_dtype == "bfloat16"):
-            return self.apply_fn
-        base = _cast_floating(self.base, jnp.bfloat16)
-
-        def apply_fn(params, tokens, positions, **attention):
-            return self._forward(params, tokens, positions, base=base, **attention)
-        return apply_fn
 
     def serving_params(self, params: dict | None = None) -> dict:
         """The plain model's params for ``params`` (default: the current ones): themselves, or with

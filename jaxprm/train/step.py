@@ -173,6 +173,9 @@ class TrainStep:
       target_kl: PPO's early stop: a minibatch whose approx KL (k3, token mean, measured at the
         params before its update) is above ``1.5 * target_kl`` is not applied, nor is any later
         minibatch of the step (``kl_stopped`` counts them; ``updates`` counts those applied).
+      frozen: weights ``apply_fn`` needs but the step does not train (LoRA's base, ``Policy.base``):
+        ``apply_fn`` then gets ``(params, frozen)``; they are an argument of every call (never
+        donated, never updated, not in the state, so not in the optimizer or the checkpoints).
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class TrainStep:
         entropy_coef: float = 0.0,
         behaviour: dict | None = None,
         target_kl: float | None = None,
+        frozen: Any = None,
     ) -> None:
         if not entropy_coef >= 0:
             raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
@@ -211,6 +215,7 @@ class TrainStep:
             if self.behaviour["mode"] not in BEHAVIOUR_WEIGHT_MODES:
                 raise ValueError(f"behaviour mode must be one of {BEHAVIOUR_WEIGHT_MODES}, got {self.behaviour['mode']!r}")
             self.SUM_KEYS = (*self.SUM_KEYS, "behave_gap_sum", "behave_capped_sum")
+        self.frozen = frozen
         self.compiles = 0  # number of traces of the step (one per distinct input shape)
         self._jitted = None
         self._state_shardings = None
@@ -282,7 +287,7 @@ class TrainStep:
             logits = jax.lax.stop_gradient(logits)
         return entropy_of(logits)
 
-    def _step(self, state: TrainState, data: dict, rng: jax.Array):
+    def _step(self, state: TrainState, data: dict, rng: jax.Array, frozen: Any = None):
         if not in_background():  # runs at trace time only; ahead-of-time compiles are not counted
             self.compiles += 1
         B, T = data["tokens"].shape
@@ -298,7 +303,7 @@ class TrainStep:
 
         def micro_objective(params, mc, denom, n_tokens):
             # loss_i * count_i / denom summed over microbatches == the minibatch's aggregated loss
-            loss, metrics, ent_sum = self._micro_loss(params, mc)
+            loss, metrics, ent_sum = self._micro_loss(params if frozen is None else (params, frozen), mc)
             metrics = {**metrics, "entropy_sum": jax.lax.stop_gradient(ent_sum)}
             objective = loss * jnp.maximum(metrics["loss_count"], 1.0) / denom
             if self.entropy_coef:
@@ -373,7 +378,8 @@ class TrainStep:
         st = self.state_shardings(state)
         bs = self.batch_sharding()
         rep = NamedSharding(self.mesh, P())
-        return jax.jit(self._step, in_shardings=(st, bs, rep), out_shardings=(st, rep), donate_argnums=(0,))
+        fr = None if self.frozen is None else shard_params(self.frozen, self.mesh)
+        return jax.jit(self._step, in_shardings=(st, bs, rep, fr), out_shardings=(st, rep), donate_argnums=(0,))
 
     def lower(self, state: Any, data: dict, rng: Any):
         """The step lowered for these inputs (arrays or ``jax.ShapeDtypeStruct`` specs), as a call
@@ -383,8 +389,8 @@ class TrainStep:
             self._jitted = self._build(state)
         if self.mesh is not None:
             with self.mesh:
-                return self._jitted.lower(state, data, rng)
-        return self._jitted.lower(state, data, rng)
+                return self._jitted.lower(state, data, rng, self.frozen)
+        return self._jitted.lower(state, data, rng, self.frozen)
 
     def __call__(self, state: TrainState, data: dict, rng: jax.Array):
         """One learner step on ``data`` (see :func:`step_inputs`); returns ``(state, metrics)``."""
@@ -393,8 +399,8 @@ class TrainStep:
         if self.mesh is not None:
             data = jax.device_put(data, self.batch_sharding())
             with self.mesh:
-                return self._jitted(state, data, rng)
-        return self._jitted(state, data, rng)
+                return self._jitted(state, data, rng, self.frozen)
+        return self._jitted(state, data, rng, self.frozen)
 
 
 _JITTED: dict[tuple[int, str], tuple[Callable, Callable]] = {}

@@ -115,8 +115,9 @@ def demo_row(d: Demo) -> RowData:
 
 
 def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr: float, seed: int,
-        len_buckets=(256, 384, 512, 640, 768, 1024, 2048, 4096), log=None) -> tuple[Any, list[float]]:
-    """Masked next-token cross-entropy SFT; returns ``(params, losses)``.
+        len_buckets=(256, 384, 512, 640, 768, 1024, 2048, 4096), log=None, frozen: Any = None) -> tuple[Any, list[float]]:
+    """Masked next-token cross-entropy SFT; returns ``(params, losses)``. ``frozen``: weights
+    ``apply_fn`` needs but SFT does not train (LoRA's base): it then gets ``(params, frozen)``.
 
     Loss per batch: ``-sum_t mask[b,t] log p(tokens[b,t+1] | tokens[b,:t+1]) / sum mask`` (prediction
     positions; ``mask`` covers the assistant tokens).
@@ -136,15 +137,15 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     weights = np.array([len(buckets[k]) for k in keys], np.float64)
     weights /= weights.sum()
 
-    def loss_fn(p, tokens, mask):
+    def loss_fn(p, fr, tokens, mask):
         T = tokens.shape[1]
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape)
-        lp = next_token_logprobs(apply_fn(p, tokens, pos), tokens)
+        lp = next_token_logprobs(apply_fn(p if fr is None else (p, fr), tokens, pos), tokens)
         return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     @jax.jit
-    def update(p, o, tokens, mask):
-        loss, g = jax.value_and_grad(loss_fn)(p, tokens, mask)
+    def update(p, o, fr, tokens, mask):
+        loss, g = jax.value_and_grad(loss_fn)(p, fr, tokens, mask)
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, loss
 
@@ -153,7 +154,7 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
         b = keys[rng.choice(len(keys), p=weights)]
         idx = rng.choice(buckets[b], size=batch_size, replace=len(buckets[b]) < batch_size)
         batch = pad_rows([demo_row(demos[i]) for i in idx], row_buckets=(batch_size,), len_buckets=(b,))
-        params, opt_state, loss = update(params, opt_state, batch.tokens, batch.loss_mask)
+        params, opt_state, loss = update(params, opt_state, frozen, batch.tokens, batch.loss_mask)
         if s % 25 == 0 or s == steps - 1:
             losses.append(float(loss))
             if log is not None:
@@ -214,6 +215,7 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
     log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
         f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")
     params, losses = sft(policy.apply_fn, policy.params, demos, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
+                         frozen=policy.base,
                          seed=w.seed, log=lambda s, l: log(f"warm start: step {s} loss {l:.4f}") if s % 100 == 0 else None)
     report = {
         "key": key,
