@@ -160,7 +160,10 @@ def run_torch(model_dir: str, data: dict[str, np.ndarray], mode: str, micro: int
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     if mode == "lora":
-        from peft import LoraConfig, get_peft_model
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise SystemExit("the torch LoRA cells need peft: pip install peft") from None
 
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
                                                  lora_dropout=0.0, bias="none"))

@@ -53,7 +53,8 @@ def test_adapters_are_stacked_nnx_lora_params_and_start_at_zero():
     np.testing.assert_array_equal(model(TOKENS, POSITIONS)[0], plain(TOKENS, POSITIONS)[0])
 
 
-@pytest.mark.parametrize("targets", [LORA_TARGETS, ("q_proj", "v_proj"), ("o_proj", "down_proj")])
+@pytest.mark.parametrize("targets", [LORA_TARGETS, pytest.param(("q_proj", "v_proj"), marks=pytest.mark.slow),
+                                     pytest.param(("o_proj", "down_proj"), marks=pytest.mark.slow)])
 def test_in_layer_forward_equals_the_merged_model(targets):
     policy = Policy(_lora_model(targets=targets))
     lora_logits = policy.apply_fn(policy.params, TOKENS, POSITIONS)
@@ -97,6 +98,7 @@ def test_policy_trains_adapters_only_and_serves_the_plain_model():
     assert isinstance(module, Transformer) and module.layers.lora is None
 
 
+@pytest.mark.slow
 def test_lora_with_remat_and_bf16_compute():
     """``ppo.remat`` gives the adapters the same gradient; bf16 compute (frozen weights cast once,
     adapters on the way in) stays within bf16 rounding of float32 and keeps float32 logits."""
