@@ -100,12 +100,13 @@ def test_policy_trains_adapters_only_and_serves_the_plain_model():
 
 @pytest.mark.slow
 def test_lora_with_remat_and_bf16_compute():
-    """``ppo.remat`` gives the adapters the same gradient; bf16 compute (frozen weights cast once,
-    adapters on the way in) stays within bf16 rounding of float32 and keeps float32 logits."""
+    """``ppo.remat`` gives the adapters the same gradient; bf16 compute (adapters and frozen weights
+    cast on the way in, given as the pair the trainer's jitted code passes) stays within bf16
+    rounding of float32 and keeps float32 logits."""
     target = jax.random.normal(jax.random.key(7), (2, 9, 64))
 
     def grads(policy, fwd):
-        return jax.grad(lambda a: jnp.sum(fwd(a, TOKENS, POSITIONS) * target))(policy.params)
+        return jax.grad(lambda a: jnp.sum(fwd(policy.with_frozen(a), TOKENS, POSITIONS) * target))(policy.params)
 
     policy = Policy(_lora_model())
     g0 = grads(policy, policy.apply_fn)
@@ -118,7 +119,8 @@ def test_lora_with_remat_and_bf16_compute():
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * float(jnp.abs(a).max()))
         np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6 * float(jnp.abs(a).max()))
     bf16 = policy.learner_apply_fn(compute_dtype="bfloat16")
-    l32, l16 = policy.apply_fn(policy.params, TOKENS, POSITIONS), bf16(policy.params, TOKENS, POSITIONS)
+    l32 = policy.apply_fn(policy.params, TOKENS, POSITIONS)
+    l16 = bf16(policy.with_frozen(policy.params), TOKENS, POSITIONS)
     assert l16.dtype == jnp.float32
     err = float(jnp.abs(l16 - l32).max())
     assert 0 < err < 0.1 * float(jnp.abs(l32).max())  # bf16 matmuls did run (err > 0), within bf16 rounding
