@@ -88,11 +88,10 @@ class Generation:
         else:
             urls = list(s.urls)
         self.client = GenerationClient(s.client_config(urls, api_key=api_key))
+        self.client.on_recover = self._restore  # embedded too: nothing to push, the version is checked
         if s.kind == "embedded":
             self.client.before_probe = self._revive
-            self.client.on_recover = self._check_version
         if s.kind == "external":
-            self.client.on_recover = self._restore
             await self.client.check_health()
             if s.token_backed:
                 await self.client.probe_token_io(self.prompts.initial([{"role": "user", "content": "Hi"}]))
@@ -127,7 +126,8 @@ class Generation:
 
     async def _restore(self, endpoint: str) -> None:
         """The client's ``on_recover`` hook: a server that answers again gets the weights last synced
-        (none synced yet: its own weights are version 0), then must report that weight version; a
+        (none synced to disk -- version 0, or the embedded server, whose restart keeps its sampler's
+        weights -- nothing is pushed), then must report that weight version; a
         sync that lands meanwhile is pushed too. Raises :class:`GenerationError` (it stays down)."""
         while True:
             version, path = self._pushed or (self.version, None)
@@ -143,19 +143,11 @@ class Generation:
     async def _revive(self, endpoint: str) -> None:
         """The client's ``before_probe`` hook for the embedded server: one found dead (its HTTP
         thread or its engine stopped) is served again in place -- the same port, the same sampler,
-        so the weights last synced and their version -- and the probe then checks it."""
+        so the weights last synced and their version -- and the probe then checks it (:meth:`_restore`)."""
         if self.server is None or self.server.alive:
             return
         self.log(f"the embedded server on {endpoint} died; restarting it in place")
         self.server = await asyncio.to_thread(self.server.restarted)
-
-    async def _check_version(self, endpoint: str) -> None:
-        """The client's ``on_recover`` hook for the embedded server: it must serve the weight
-        version last synced. Raises :class:`GenerationError` (it stays down)."""
-        served = await self.client.weight_version(endpoint)
-        if served != self.version:
-            raise GenerationError(f"{endpoint} serves weight version {served} after recovery, not {self.version}")
-        self.log(f"the embedded server {endpoint} is back, serving weight version {served}")
 
     def server_health(self) -> dict[str, int]:
         """Failover counts since the last call (the step's): ``server_failovers`` (requests sent again
