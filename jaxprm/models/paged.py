@@ -80,7 +80,7 @@ class PagedKVCache:
 
 
 def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array, mask: jax.Array,
-                    shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                    shared: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """Grouped-query softmax attention over each row's gathered blocks.
 
     ``q [B, T, H, hd]``; ``key_blocks, value_blocks [B, nb, K, bs, hd]`` (row ``b``'s window of
@@ -90,10 +90,14 @@ def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array
     over the window; the blocks are contracted where they lie (no transposed copy of the window),
     and the ``T G`` queries of a key/value head form one matrix.
 
-    ``shared = (shared_keys, shared_values [ns, K, bs, hd], shared_mask [B, T, ns bs])``: blocks
-    every row also attends, gathered once for the batch (a common prompt prefix): one softmax over
-    the shared slots and the row's own, so the result is the attention over their concatenation.
-    The shared scores of all rows' queries are one matrix product per key/value head.
+    ``shared = (shared_keys, shared_values [S, ns, K, bs, hd], shared_rows [S, R], shared_slot [B],
+    shared_mask [S, R, T, ns bs])`` (cascade attention): the blocks of ``S`` prefixes, each common
+    to a group of rows and gathered once for the batch. ``shared_rows[g]`` lists group ``g``'s rows
+    (``-1``: an empty slot), ``shared_slot[b]`` is row ``b``'s place ``g R + r`` in it (``-1``: in
+    no group). Each group's queries attend its prefix in one matrix product per key/value head
+    (the prefix's keys and values read once, not once per row); the two partial softmaxes (prefix,
+    own window) are merged exactly by their maxima and sums, ``out = (e^{m1-m} o1 + e^{m2-m} o2) /
+    (e^{m1-m} l1 + e^{m2-m} l2)``, so the result is the attention over the concatenation.
     """
     B, T, H, hd = q.shape
     _, nb, K, bs, _ = key_blocks.shape
@@ -102,19 +106,44 @@ def paged_attention(q: jax.Array, key_blocks: jax.Array, value_blocks: jax.Array
     scores = jnp.einsum("bkqd,bnksd->bkqns", qg, key_blocks, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, T, G, W) * (hd ** -0.5)
     scores = jnp.where(mask[:, None, :, None, :], scores, _MASK_VALUE)
-    if shared is not None:
-        shared_keys, shared_values, shared_mask = shared
-        ns = shared_keys.shape[0]
-        s2 = jnp.einsum("bkqd,nksd->bkqns", qg, shared_keys, preferred_element_type=jnp.float32)
-        s2 = s2.reshape(B, K, T, G, ns * bs) * (hd ** -0.5)
-        s2 = jnp.where(shared_mask[:, None, :, None, :], s2, _MASK_VALUE)
-        scores = jnp.concatenate([s2, scores], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks.dtype)
-    if shared is not None:
-        p2, probs = probs[..., : ns * bs].reshape(B, K, T * G, ns, bs), probs[..., ns * bs:]
-    out = jnp.einsum("bkqns,bnksd->bkqd", probs.reshape(B, K, T * G, nb, bs), value_blocks)
-    if shared is not None:
-        out = out + jnp.einsum("bkqns,nksd->bkqd", p2, shared_values)
+    if shared is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks.dtype)
+        out = jnp.einsum("bkqns,bnksd->bkqd", probs.reshape(B, K, T * G, nb, bs), value_blocks)
+        return out.reshape(B, K, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
+
+    shared_keys, shared_values, shared_rows, shared_slot, shared_mask = shared
+    S, ns = shared_keys.shape[:2]
+    R = shared_rows.shape[1]
+    # own window: [B, K, T G, nb, bs]
+    own_mask = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, W)).reshape(B, 1, T * G, nb, bs)
+    own_scores = scores.reshape(B, K, T * G, nb, bs)
+    m_own = jnp.max(own_scores, axis=(-2, -1))
+    p_own = jnp.where(own_mask, jnp.exp(own_scores - m_own[..., None, None]), 0.0)
+    l_own = p_own.sum(axis=(-2, -1))
+    o_own = jnp.einsum("bkqns,bnksd->bkqd", p_own.astype(value_blocks.dtype), value_blocks,
+                       preferred_element_type=jnp.float32)
+    # each group's queries against its own prefix: [S, R, K, T G, ns, bs]
+    qs = qg[jnp.clip(shared_rows, 0, B - 1)]
+    s2 = jnp.einsum("grkqd,gnksd->grkqns", qs, shared_keys, preferred_element_type=jnp.float32) * (hd ** -0.5)
+    m2_mask = jnp.broadcast_to(shared_mask[:, :, None, :, None, :], (S, R, 1, T, G, ns * bs)).reshape(
+        S, R, 1, T * G, ns, bs)
+    s2 = jnp.where(m2_mask, s2, _MASK_VALUE)
+    m_sh = jnp.max(s2, axis=(-2, -1))
+    p_sh = jnp.where(m2_mask, jnp.exp(s2 - m_sh[..., None, None]), 0.0)
+    l_sh = p_sh.sum(axis=(-2, -1))
+    o_sh = jnp.einsum("grkqns,gnksd->grkqd", p_sh.astype(shared_values.dtype), shared_values,
+                      preferred_element_type=jnp.float32)
+    # back to rows (a row in no group: an empty prefix state)
+    slot = jnp.clip(shared_slot, 0, S * R - 1)
+    grouped = (shared_slot >= 0)[:, None, None]
+    m_sh = jnp.where(grouped, m_sh.reshape(S * R, K, T * G)[slot], _MASK_VALUE)
+    l_sh = jnp.where(grouped, l_sh.reshape(S * R, K, T * G)[slot], 0.0)
+    o_sh = jnp.where(grouped[..., None], o_sh.reshape(S * R, K, T * G, hd)[slot], 0.0)
+    top = jnp.maximum(m_sh, m_own)
+    a_sh, a_own = jnp.exp(m_sh - top), jnp.exp(m_own - top)
+    den = a_sh * l_sh + a_own * l_own
+    out = (a_sh[..., None] * o_sh + a_own[..., None] * o_own) / jnp.where(den > 0, den, 1.0)[..., None]
+    out = out.astype(q.dtype)
     return out.reshape(B, K, T, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
@@ -134,21 +163,25 @@ def unstack_layers(model) -> tuple[dict[str, jax.Array], ...]:
 
 def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
                         block_tables: jax.Array, *, layers: tuple[dict[str, jax.Array], ...] | None = None,
-                        shared_table: jax.Array | None = None, shared_len: jax.Array | None = None
-                        ) -> tuple[jax.Array, PagedKVCache]:
+                        shared_table: jax.Array | None = None, shared_len: jax.Array | None = None,
+                        shared_rows: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
     """Final-normed hidden states ``[B, T, D]`` and the updated pool (see the module docstring).
 
     ``model`` is a ``jaxprm.models.Transformer``; ``model.logits(h)`` turns (a gather of) the hidden
     states into float32 logits. ``layers`` (``unstack_layers(model)``, same values as the model's
     layers): run the layers unrolled over these arrays instead of a scan over the stacked ones.
 
-    Shared prefix (decode of rows that start with the same cached blocks): ``shared_table [ns]``
-    holds the blocks of positions ``0 .. shared_len - 1`` (int32 scalar, a multiple of ``bs``;
-    entries past it are ignored) that every row has, and ``block_tables [B, nb]`` then map the
-    positions *after* it (entry ``j``: positions ``shared_len + j bs ..``). The shared blocks are
-    gathered once for the batch instead of once per row; every position must be ``>= shared_len``
-    (the shared blocks are read, never written) and ``< shared_len + nb bs``. Same result as the
-    full tables up to float rounding.
+    Shared prefixes (cascade decode of rows that start with cached blocks common to their group):
+    ``shared_table [S, ns]`` holds, per group ``g``, the blocks of positions
+    ``0 .. shared_len[g] - 1`` (``shared_len [S]`` int32, multiples of ``bs``; entries past them are
+    ignored), and ``shared_rows [S, R]`` the rows of each group (``-1``: an empty slot; a row in no
+    group keeps a table of its positions from 0). A grouped row's ``block_tables`` entries then map
+    the positions *after* its group's prefix (entry ``j``: positions ``shared_len[g] + j bs ..``).
+    Each prefix is gathered once for the batch instead of once per row, and its group's queries
+    attend it together (``paged_attention``); a grouped row's positions must be ``>= shared_len[g]``
+    (the shared blocks are read, never written) and ``< shared_len[g] + nb bs``. Same result as the
+    full tables up to float rounding. One prefix for every row: ``shared_table [ns]`` and a scalar
+    ``shared_len`` (``shared_rows`` omitted).
     """
     c = model.config
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -170,9 +203,29 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
 
     if (shared_table is None) != (shared_len is None):
         raise ValueError("give shared_table and shared_len together")
-    base = 0 if shared_table is None else jnp.asarray(shared_len, jnp.int32)
-    valid = positions >= base
-    rel = positions - base  # the slot of a position in the row's own window
+    if shared_table is None:
+        base = jnp.zeros((B,), jnp.int32)
+    else:
+        shared_table = jnp.asarray(shared_table, jnp.int32)
+        shared_len = jnp.asarray(shared_len, jnp.int32)
+        if shared_table.ndim == 1:  # one prefix for every row
+            if shared_rows is not None:
+                raise ValueError("shared_rows needs shared_table [S, ns] and shared_len [S]")
+            shared_table, shared_len = shared_table[None], shared_len.reshape(1)
+            shared_rows = jnp.arange(B, dtype=jnp.int32)[None]
+        if shared_table.ndim != 2 or shared_len.shape != shared_table.shape[:1]:
+            raise ValueError(f"shared_table {shared_table.shape} must be [S, ns] and shared_len {shared_len.shape} [S]")
+        if shared_rows is None or jnp.ndim(shared_rows) != 2 or jnp.shape(shared_rows)[0] != shared_table.shape[0]:
+            raise ValueError(f"give shared_rows [S, R] (S = {shared_table.shape[0]}) with shared_table [S, ns]")
+        shared_rows = jnp.asarray(shared_rows, jnp.int32)
+        S, R = shared_rows.shape
+        member = shared_rows >= 0
+        target = jnp.where(member, shared_rows, B).reshape(-1)  # B: dropped
+        shared_slot = jnp.full((B,), -1, jnp.int32).at[target].set(jnp.arange(S * R, dtype=jnp.int32), mode="drop")
+        group = jnp.where(shared_slot >= 0, shared_slot // R, 0)
+        base = jnp.where(shared_slot >= 0, shared_len[group], 0)
+    valid = positions >= base[:, None]
+    rel = positions - base[:, None]  # the slot of a position in the row's own window
     safe = jnp.clip(rel, 0, W - 1)
     # Where each entry's k/v goes; padding entries (negative position) target block NB (dropped).
     write_block = jnp.where(valid, jnp.take_along_axis(block_tables, safe // bs, axis=1), NB)
@@ -180,8 +233,12 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
     slots = jnp.arange(W)
     mask = (slots[None, None, :] <= rel[:, :, None]) & valid[:, :, None]
     if shared_table is not None:
-        shared_table = shared_table.astype(jnp.int32)
-        shared_mask = (jnp.arange(shared_table.shape[0] * bs) < base)[None, None, :] & valid[:, :, None]
+        ns = shared_table.shape[1]
+        # slot j of group g's prefix: its rows see it iff j < shared_len[g] (and the entry is real)
+        in_prefix = jnp.arange(ns * bs)[None, :] < shared_len[:, None]  # [S, ns bs]
+        row_valid = valid[jnp.clip(shared_rows, 0, B - 1)] & member[:, :, None]  # [S, R, T]
+        shared_mask = row_valid[:, :, :, None] & in_prefix[:, None, None, :]
+        shared_blocks = shared_table.reshape(-1)
 
     def layer(x, ck, cv, p, i):
         new = {}
@@ -199,8 +256,10 @@ def paged_hidden_states(model, tokens: jax.Array, positions: jax.Array, cache: P
             value_blocks = _gather_blocks(new["v"], rows).reshape(B, -1, K, bs, c.head_dim).astype(v.dtype)
             shared = None
             if shared_table is not None:
-                shared = (_gather_blocks(new["k"], shared_table + i * NB).astype(k.dtype),
-                          _gather_blocks(new["v"], shared_table + i * NB).astype(v.dtype), shared_mask)
+                shape = (S, ns, K, bs, c.head_dim)
+                shared = (_gather_blocks(new["k"], shared_blocks + i * NB).reshape(shape).astype(k.dtype),
+                          _gather_blocks(new["v"], shared_blocks + i * NB).reshape(shape).astype(v.dtype),
+                          shared_rows, shared_slot, shared_mask)
             return paged_attention(q, key_blocks, value_blocks, mask, shared)
 
         x = _layer(c, x, p, cos, sin, attend)

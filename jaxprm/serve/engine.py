@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxprm.models.paged import kv_bytes_per_token
+from jaxprm.serve.cascade import group_slots, shared_prefix_groups
 from jaxprm.serve.kv_pool import BlockPool
 from jaxprm.serve.metrics import EngineMetrics
 from jaxprm.serve.prefix_cache import PrefixCache
@@ -68,8 +69,10 @@ MIN_WINDOW_FACTOR = 1.25
 #: costs its full share (SmolLM2-135M on 2 cores, 16-token chunks at a 192 window: 32 rows 435 ms,
 #: the same rows padded to 64 916 ms), while a small model's calls are cheaper than compiling more.
 AUTO_PREFILL_BUCKET_FACTOR = (4, 2)
-#: Shared-prefix decode attention needs at least this many positions of blocks common to all rows.
+#: Shared-prefix decode attention needs at least this many positions of blocks common to a group.
 MIN_SHARED_POSITIONS = 64
+#: Most prompt prefixes one decode call gathers once each (groups beyond it read their own tables).
+MAX_SHARED_GROUPS = 8
 
 
 def _ladder(first: int, factor: int, below: int) -> tuple[int, ...]:
@@ -130,11 +133,13 @@ class Engine:
         (rows, chunk, window) a prefill program to compile, so a larger factor compiles fewer
         programs and pads attention more. ``None`` (auto): ``AUTO_WINDOW_FACTOR``, 2 for models
         under ``SMALL_MODEL_PARAMS`` parameters, 1.5 from there.
-      shared_prefix_attention: when every row of a decode call starts with the same cached blocks
-        (at least ``MIN_SHARED_POSITIONS`` positions: a common prompt), gather them once for the
-        batch instead of once per row (``jaxprm.serve.programs``); the rows' own windows are then
-        bucketed from 2 blocks up (``own_window_buckets``). More programs to compile (one per shared
-        window too), less memory traffic per step. ``None``: on for models from
+      shared_prefix_attention: cascade decode: when groups of a decode call's rows start with the
+        same cached blocks (at least ``MIN_SHARED_POSITIONS`` positions: a GRPO group's prompt, a
+        common system prompt), gather each group's prefix once for the batch instead of once per
+        row, up to ``MAX_SHARED_GROUPS`` prefixes (``jaxprm.serve.cascade``,
+        ``jaxprm.serve.programs``); the rows' own windows are then bucketed from 2 blocks up
+        (``own_window_buckets``). More programs to compile (one per shared window and number of
+        prefix slots 1, 2, 4, 8 too), less memory traffic per step. ``None``: on for models from
         ``SMALL_MODEL_PARAMS`` parameters.
     """
 
@@ -455,13 +460,19 @@ class Engine:
         k = self.decode_steps
         B = bucket_for(len(rows), self.batch_buckets, "decode batch")
         end = max(s.num_computed + min(k, s.remaining) for s in rows)
-        shared = self._shared_blocks(rows)
-        if shared:
-            base = shared * self.block_size
-            W = bucket_for(end - base, self.own_window_buckets, "window")
-            ns = bucket_for(base, self.window_buckets, "shared window") // self.block_size
-            inp, top_n, filtering = decode_arrays(rows, B, W // self.block_size, shared_blocks=shared, ns=ns,
-                                                  block_size=self.block_size)
+        groups = self._shared_groups(rows)
+        if groups:
+            bs = self.block_size
+            skip = [0] * len(rows)
+            for members, blocks in groups:
+                for i in members:
+                    skip[i] = blocks * bs
+            W = bucket_for(max(s.num_computed + min(k, s.remaining) - b for s, b in zip(rows, skip)),
+                           self.own_window_buckets, "window")
+            ns = bucket_for(max(skip), self.window_buckets, "shared window") // bs
+            R = min(B, group_slots(max(len(m) for m, _ in groups)))
+            inp, top_n, filtering = decode_arrays(rows, B, W // bs, groups=groups, S=group_slots(len(groups)),
+                                                  R=R, ns=ns, block_size=bs)
             self.stats.shared_prefix_calls += 1
         else:
             W = bucket_for(end, self.window_buckets, "window")
@@ -501,17 +512,16 @@ class Engine:
                 s.owner.send_delta(s)
         return generated
 
-    def _shared_blocks(self, rows: list[Seq]) -> int:
-        """Leading blocks every row has (the same pool blocks, so the same KV), all computed before
-        this call (never written by it); 0 when off, for one row, or under ``MIN_SHARED_POSITIONS``."""
+    def _shared_groups(self, rows: list[Seq]) -> list[tuple[list[int], int]]:
+        """Groups of rows (indices, blocks) whose leading blocks are the same pool blocks (so the same
+        KV), all computed before this call (never written by it), at least ``MIN_SHARED_POSITIONS``
+        positions, at most ``MAX_SHARED_GROUPS`` (``jaxprm.serve.cascade``); none when off or for
+        one row."""
         if not self.shared_prefix_attention or len(rows) < 2:
-            return 0
-        limit = min(s.num_computed for s in rows) // self.block_size
-        first = rows[0].blocks
-        n = 0
-        while n < limit and all(s.blocks[n] == first[n] for s in rows):
-            n += 1
-        return n if n * self.block_size >= MIN_SHARED_POSITIONS else 0
+            return []
+        bs = self.block_size
+        return shared_prefix_groups([s.blocks[: s.num_computed // bs] for s in rows],
+                                    min_blocks=-(-MIN_SHARED_POSITIONS // bs), max_groups=MAX_SHARED_GROUPS)
 
     # results ------------------------------------------------------------------------------------------
     def _finished(self, s: Seq) -> None:
@@ -589,12 +599,15 @@ class Engine:
     # warm-up -------------------------------------------------------------------------------------
     def precompile(self, *, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None,
                    top_logprobs: bool = False, filtering: bool = False, prefill: bool = True,
-                   shared_windows: Sequence[int] = (), own_windows: Sequence[int] | None = None) -> float:
+                   shared_windows: Sequence[int] = (), own_windows: Sequence[int] | None = None,
+                   shared_groups: Sequence[int] = (1,), group_rows: Sequence[int] | None = None) -> float:
         """Compile ahead of time the decode programs for these batch buckets and windows (default:
         all) and, with ``prefill``, the prefill programs of every chunk / row bucket for them; with
         ``shared_windows`` (and ``shared_prefix_attention``), the shared-prefix decode programs of
-        batches from 2 rows for each of those shared windows and ``own_windows`` (default: every
-        own window up to the longest of ``windows``). Returns the seconds spent."""
+        batches from 2 rows for each of those shared windows, ``own_windows`` (default: every
+        own window up to the longest of ``windows``), number of prefixes in ``shared_groups`` (a
+        batch holds at most half its rows' groups) and rows per group in ``group_rows`` (default:
+        the batch). Returns the seconds spent."""
         params, _ = self.sampler.snapshot()
         t0 = time.perf_counter()
         bs = sorted({bucket_for(int(b), self.batch_buckets, "batch") for b in (batch_sizes or self.batch_buckets)})
@@ -612,10 +625,14 @@ class Engine:
             for sw in sorted({bucket_for(int(w), self.window_buckets, "window") for w in shared_windows}):
                 own = (o for o in self.own_window_buckets if o <= ws[-1]) if own_windows is None else sorted(
                     {bucket_for(int(o), self.own_window_buckets, "window") for o in own_windows})
+                slots = sorted({group_slots(min(int(g), MAX_SHARED_GROUPS)) for g in shared_groups})
                 for w in own:
                     for b in (b for b in bs if b > 1):
-                        self.runner.compile_decode(params, b, w, steps=self.decode_steps, top_n=top_n,
-                                                   filtering=filtering, shared_window=sw)
+                        per_group = sorted({min(b, group_slots(int(r))) for r in (group_rows or [b])})
+                        for g, r in ((g, r) for g in slots for r in per_group if 2 * g <= b and g * r >= 2):
+                            self.runner.compile_decode(params, b, w, steps=self.decode_steps, top_n=top_n,
+                                                       filtering=filtering, shared_window=sw, shared_groups=g,
+                                                       group_rows=r)
         return time.perf_counter() - t0
 
 

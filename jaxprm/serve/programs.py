@@ -17,15 +17,17 @@ weights before every matmul: about 40% of SmolLM2-135M's decode step at batch 1;
 ``jaxprm.models.paged``); the copies are made once per weight version (``layer_weights``). Prefill
 programs are compute-bound and keep the scan (they compile faster).
 
-Shared prefix: when the decode rows start with the same cached blocks (a common prompt), the
-engine may pass them once as ``shared_table [ns]`` with ``shared_len``, and each row's table then
-holds only the blocks after them (``paged_hidden_states``): the batch gathers the shared keys and
-values once instead of once per row.
+Shared prefixes (cascade decode): when groups of decode rows start with the same cached blocks (a
+GRPO group's prompt; several groups at once), the engine may pass each group's prefix once as a row
+of ``shared_table [S, ns]`` (``shared_len [S]``, each row's ``shared_group``), and a grouped row's
+table then holds only the blocks after its prefix (``paged_hidden_states``): the batch gathers each
+prefix's keys and values once instead of once per row.
 
 Static shapes: ``B`` is a batch bucket, ``nb = W / block_size`` with ``W`` a window bucket (the
 longest position in the call, rounded up; after a shared prefix, a bucket of the rows' own
-positions), ``ns`` a window bucket of the shared positions (0: none), ``R`` and ``C`` prefill row /
-chunk buckets. One program exists per ``(B, W, ns, k, top-n on/off, filtering on/off)`` and per
+positions), ``ns`` a window bucket of the longest shared prefix (0: none), ``S`` a bucket of the
+number of prefixes (1, 2, 4, ...), ``R`` and ``C`` prefill row / chunk buckets. One program exists
+per ``(B, W, ns, S, k, top-n on/off, filtering on/off)`` and per
 ``(R, C, W)`` (and per model
 structure and pool shape: the programs are shared by every engine of the process);
 ``num_compilations()`` counts the traces (one per compilation). The executables come from
@@ -35,6 +37,7 @@ process is loaded from disk without being traced or lowered (and is not counted)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -84,7 +87,8 @@ def _decode_impl(graphdef, params, rest, layers, pool, inp, *, steps: int, top_n
         pool, tok, pos, active, n_gen, remaining = carry
         fed = jnp.where(active, pos, -1)
         hidden, pool = paged_hidden_states(model, tok[:, None], fed[:, None], pool, inp["tables"], layers=layers,
-                                           shared_table=inp.get("shared_table"), shared_len=inp.get("shared_len"))
+                                           shared_table=inp.get("shared_table"), shared_len=inp.get("shared_len"),
+                                           shared_rows=inp.get("shared_rows"))
         s = sample_next(model.logits(hidden[:, 0]), inp["temperature"], inp["top_k"], inp["top_p"],
                         inp["key_data"], n_gen, top_n=top_n, filtering=filtering)
         valid = active
@@ -170,8 +174,9 @@ class ModelRunner:
         """Run ``steps`` decode steps; returns host arrays ``[steps, B]`` (``token``, ``logprob``,
         ``sampling_logprob``, ``valid``; with ``top_n``: ``top_ids / top_raw / top_proc [steps, B, n]``)."""
         B, nb = inputs["tables"].shape
-        ns = inputs["shared_table"].shape[0] if "shared_table" in inputs else 0
-        program = self._decode_program(params, B, nb, ns, steps=steps, top_n=top_n, filtering=filtering)
+        groups, ns = inputs["shared_table"].shape if "shared_table" in inputs else (0, 0)
+        R = inputs["shared_rows"].shape[1] if ns else 0
+        program = self._decode_program(params, B, nb, ns, groups, R, steps=steps, top_n=top_n, filtering=filtering)
         self.pool, outs = program(params, self.rest, self.layer_weights(params), self.pool, inputs)
         return jax.device_get(outs)
 
@@ -200,13 +205,14 @@ class ModelRunner:
             lambda: _prefill.lower(self.graphdef, params, self.rest, self.pool, S((rows, chunk), jnp.int32),
                                    S((rows, chunk), jnp.int32), S((rows, nb), jnp.int32)))
 
-    def _decode_program(self, params, batch: int, nb: int, ns: int = 0, *, steps: int, top_n: int,
-                        filtering: bool) -> jax.stages.Compiled:
-        key = (batch, nb, int(steps), int(top_n), bool(filtering)) + ((int(ns),) if ns else ())
+    def _decode_program(self, params, batch: int, nb: int, ns: int = 0, groups: int = 1, group_rows: int = 0, *,
+                        steps: int, top_n: int, filtering: bool) -> jax.stages.Compiled:
+        group_rows = int(group_rows or batch)
+        key = (batch, nb, int(steps), int(top_n), bool(filtering)) + ((int(ns), int(groups), group_rows) if ns else ())
         return self._program(
             "_decode_impl", key, params,
             lambda: _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self.pool,
-                                  decode_input_shapes(batch, nb, ns), steps=steps, top_n=top_n,
+                                  decode_input_shapes(batch, nb, ns, groups, group_rows), steps=steps, top_n=top_n,
                                   filtering=filtering))
 
     # ahead-of-time compilation -----------------------------------------------------------------
@@ -215,19 +221,23 @@ class ModelRunner:
         self._prefill_program(params, rows, chunk, window // self.block_size)
 
     def compile_decode(self, params, batch: int, window: int, *, steps: int, top_n: int, filtering: bool,
-                       shared_window: int = 0) -> None:
+                       shared_window: int = 0, shared_groups: int = 1, group_rows: int = 0) -> None:
         """Compile (or load) the decode program for ``batch`` rows over ``window`` positions of their
-        own (after a prefix of ``shared_window`` positions shared by the batch, if not 0)."""
+        own (after their group's prefix of up to ``shared_window`` positions, if not 0, with
+        ``shared_groups`` prefix slots of ``group_rows`` rows each, default ``batch``)."""
         self._decode_program(params, batch, window // self.block_size, shared_window // self.block_size,
-                             steps=steps, top_n=top_n, filtering=filtering)
+                             shared_groups, group_rows, steps=steps, top_n=top_n, filtering=filtering)
 
 
-def decode_input_shapes(batch: int, nb: int, ns: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of the decode inputs for ``batch`` rows and ``nb`` table entries (and
-    ``ns`` shared-prefix entries with ``shared_len``, if ``ns``)."""
+def decode_input_shapes(batch: int, nb: int, ns: int = 0, groups: int = 1, group_rows: int = 0
+                        ) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of the decode inputs for ``batch`` rows and ``nb`` table entries (and, if
+    ``ns``, ``groups`` shared prefixes of ``ns`` entries: ``shared_table [groups, ns]``,
+    ``shared_len [groups]``, ``shared_rows [groups, group_rows]`` (default ``batch``))."""
     S = jax.ShapeDtypeStruct
     i32, f32 = jnp.int32, jnp.float32
-    shared = dict(shared_table=S((ns,), i32), shared_len=S((), i32)) if ns else {}
+    shared = dict(shared_table=S((groups, ns), i32), shared_len=S((groups,), i32),
+                  shared_rows=S((groups, group_rows or batch), i32)) if ns else {}
     return shared | dict(token=S((batch,), i32), position=S((batch,), i32), active=S((batch,), jnp.bool_),
                 num_generated=S((batch,), i32), remaining=S((batch,), i32), temperature=S((batch,), f32),
                 top_k=S((batch,), i32), top_p=S((batch,), f32), key_data=S((batch, 2), jnp.uint32),
@@ -249,13 +259,15 @@ def prefill_arrays(rows, R: int, C: int, nb: int) -> tuple[np.ndarray, np.ndarra
     return tokens, positions, tables
 
 
-def decode_arrays(rows, B: int, nb: int, *, shared_blocks: int = 0, ns: int = 0,
-                  block_size: int | None = None) -> tuple[dict[str, np.ndarray], int, bool]:
+def decode_arrays(rows, B: int, nb: int, *, groups: Sequence[tuple[Sequence[int], int]] = (), S: int = 0,
+                  R: int = 0, ns: int = 0, block_size: int | None = None) -> tuple[dict[str, np.ndarray], int, bool]:
     """Inputs of one decode call for these sequences padded to ``B`` rows (inactive padding), and
     the program variant: ``top_n`` (``MAX_TOP_LOGPROBS`` if any row wants alternatives, else 0)
-    and ``filtering`` (any sampled row with top-k or top-p). With ``ns``: the rows' first
-    ``shared_blocks`` blocks (the same for all) go in ``shared_table [ns]`` (``shared_len`` their
-    positions) and ``tables`` hold the blocks after them."""
+    and ``filtering`` (any sampled row with top-k or top-p). With ``S`` (and ``ns``, ``R``):
+    ``groups`` of ``(row indices, shared blocks)`` (at most ``S``, of at most ``R`` rows) whose
+    members start with the same ``shared blocks`` pool blocks; those go once in
+    ``shared_table [S, ns]`` (``shared_len`` their positions, ``shared_rows [S, R]`` the members,
+    -1 padded) and a member's ``tables`` hold the blocks after them."""
     inp = dict(
         token=np.zeros((B,), np.int32), position=np.full((B,), -1, np.int32), active=np.zeros((B,), bool),
         num_generated=np.zeros((B,), np.int32), remaining=np.zeros((B,), np.int32),
@@ -263,6 +275,18 @@ def decode_arrays(rows, B: int, nb: int, *, shared_blocks: int = 0, ns: int = 0,
         top_k=np.zeros((B,), np.int32), top_p=np.ones((B,), np.float32),
         key_data=np.zeros((B, 2), np.uint32), stop_ids=np.full((B, MAX_STOP_TOKEN_IDS), -1, np.int32),
         tables=np.zeros((B, nb), np.int32))
+    skip = np.zeros((B,), np.int64)  # each row's blocks held in the shared table
+    if S:
+        if len(groups) > S or any(len(m) > R for m, _ in groups):
+            raise ValueError(f"groups of {[len(m) for m, _ in groups]} rows for {S} slots of {R} rows")
+        inp["shared_table"] = np.zeros((S, ns), np.int32)
+        inp["shared_len"] = np.zeros((S,), np.int32)
+        inp["shared_rows"] = np.full((S, R), -1, np.int32)
+        for g, (members, blocks) in enumerate(groups):
+            inp["shared_table"][g, :blocks] = rows[members[0]].blocks[:blocks]
+            inp["shared_len"][g] = blocks * block_size
+            inp["shared_rows"][g, :len(members)] = members
+            skip[list(members)] = blocks
     top_n, filtering = 0, False
     for i, s in enumerate(rows):
         sp = s.params
@@ -276,13 +300,9 @@ def decode_arrays(rows, B: int, nb: int, *, shared_blocks: int = 0, ns: int = 0,
         inp["top_p"][i] = sp.top_p
         inp["key_data"][i] = s.key_data
         inp["stop_ids"][i] = s.stop_array
-        blocks = s.blocks[shared_blocks: shared_blocks + nb]
+        blocks = s.blocks[skip[i]: skip[i] + nb]
         inp["tables"][i, : len(blocks)] = blocks
         if sp.top_logprobs > 0:
             top_n = MAX_TOP_LOGPROBS
         filtering = filtering or (sp.temperature > 0 and (sp.top_k > 0 or sp.top_p < 1.0))
-    if ns:
-        inp["shared_table"] = np.zeros((ns,), np.int32)
-        inp["shared_table"][:shared_blocks] = rows[0].blocks[:shared_blocks]
-        inp["shared_len"] = np.asarray(shared_blocks * block_size, np.int32)
     return inp, top_n, filtering

@@ -111,6 +111,54 @@ def test_decode_over_a_shared_prefix_gathered_once_matches_the_full_tables(unrol
     np.testing.assert_allclose(np.asarray(got)[0, 0], plain[2], atol=2e-5, rtol=1e-5)
 
 
+@jax.jit
+def _cascade_logits(model, tokens, positions, cache, tables, shared_table, shared_len, shared_rows):
+    hidden, cache = paged_hidden_states(model, tokens, positions, cache, tables, shared_table=shared_table,
+                                        shared_len=shared_len, shared_rows=shared_rows)
+    return model.logits(hidden), cache
+
+
+def test_cascade_decode_over_several_group_prefixes_matches_the_full_tables():
+    """Two groups of rows (not contiguous in the batch), each sharing its own cached prompt prefix
+    (3 and 2 blocks; the table of the shorter padded to 3 entries), a row in no group (full table
+    from position 0, crossing into a new block) and a padding row: decoding with the prefixes
+    gathered once each (``shared_table [S, ns]``, ``shared_len [S]``, ``shared_rows [S, R]`` with
+    an empty slot per group) gives the full tables' logits and writes the same pool."""
+    model = _model()
+    rng = np.random.default_rng(3)
+    p0, p1, lone = rng.integers(0, 97, 12), rng.integers(0, 97, 8), rng.integers(0, 97, 6)
+    cache = PagedKVCache.init(model.config, 24, BS)
+    prefill = np.zeros((3, 12), np.int64)
+    prefill[0], prefill[1, :8], prefill[2, :6] = p0, p1, lone
+    pos = np.full((3, 12), -1)
+    pos[0], pos[1, :8], pos[2, :6] = np.arange(12), np.arange(8), np.arange(6)
+    _, cache = _paged_logits(model, jnp.asarray(prefill), jnp.asarray(pos), cache,
+                             jnp.asarray([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 0, 0]]))
+    # rows 3, 0: group 0 (blocks 1-3), rows 1-2: group 1 (blocks 4-5), row 4: none, row 5: padding
+    members = np.array([[3, 0, -1], [1, 2, -1]])
+    own = np.array([[8, 0, 0], [10, 0, 0], [11, 0, 0], [9, 0, 0], [6, 7, 12], [0, 0, 0]])
+    full = np.array([[1, 2, 3, 8], [4, 5, 10, 0], [4, 5, 11, 0], [1, 2, 3, 9], [6, 7, 12, 0], [0, 0, 0, 0]])
+    start = np.array([12, 8, 8, 12, 6, -1])
+    tails = rng.integers(0, 97, (6, 3))
+    ref_cache, cascade_cache = cache, cache
+    for t in range(3):
+        p = np.where(start >= 0, start + t, -1)[:, None]
+        tok = jnp.asarray(tails[:, t:t + 1])
+        want, ref_cache = _paged_logits(model, tok, jnp.asarray(p), ref_cache, jnp.asarray(full))
+        got, cascade_cache = _cascade_logits(model, tok, jnp.asarray(p), cascade_cache, jnp.asarray(own),
+                                             jnp.asarray([[1, 2, 3], [4, 5, 0]]), jnp.asarray([12, 8]),
+                                             jnp.asarray(members))
+        np.testing.assert_allclose(np.asarray(got)[:5], np.asarray(want)[:5], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(cascade_cache.k), np.asarray(ref_cache.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cascade_cache.v), np.asarray(ref_cache.v), atol=1e-5)
+    seq = np.concatenate([p1, tails[2]])[None]  # row 2's sequence, from its group's prefix on
+    plain = np.asarray(_plain_logits(model, jnp.asarray(seq), jnp.asarray(np.arange(11)[None])))[0, 8:]
+    np.testing.assert_allclose(np.asarray(got)[2, 0], plain[2], atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="shared_rows"):
+        paged_hidden_states(model, tok, jnp.asarray(p), cache, jnp.asarray(own),
+                            shared_table=jnp.asarray([[1, 2, 3], [4, 5, 0]]), shared_len=jnp.asarray([12, 8]))
+
+
 def test_kv_bytes_per_token():
     c = tiny_config(vocab_size=97)
     assert kv_bytes_per_token(c) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4

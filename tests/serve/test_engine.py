@@ -296,7 +296,8 @@ def test_shared_prefix_attention_gives_the_same_tokens(engine, prompts):
     """Rows that share a 64-token prompt prefix (4 cached blocks) decode with the shared blocks
     gathered once for the batch (``shared_prefix_attention``, off by default for the tiny model):
     the same tokens and log-probs as the full tables, greedy and seeded; a lone row, and rows
-    with nothing in common, take the full-table programs."""
+    with nothing in common, take the full-table programs; two groups with their own prefixes
+    decode with both gathered once (cascade)."""
     assert not engine.shared_prefix_attention
     common = (prompts[0] + prompts[3]) * 3
     common = common[:64]
@@ -313,6 +314,15 @@ def test_shared_prefix_attention_gives_the_same_tokens(engine, prompts):
         calls = shared.stats.shared_prefix_calls
         assert_same(run(shared, prompts, params), run(engine, prompts, params))
         assert shared.stats.shared_prefix_calls == calls  # no common blocks: full tables
+        # cascade: two groups of two rows, each group with its own 64-token prefix
+        other = ((prompts[1] + prompts[2]) * 4)[:64]
+        groups = [common + prompts[0], common + prompts[1], other + prompts[2], other + prompts[3]]
+        run(shared, [groups[2]], params[:1])
+        plan = shared._shared_groups
+        seen = []
+        shared._shared_groups = lambda rows: seen.append(plan(rows)) or seen[-1]
+        assert_same(run(shared, groups, params), run(engine, groups, params))
+        assert any(sorted((len(m), blocks) for m, blocks in plan) == [(2, 4), (2, 4)] for plan in seen)
     finally:
         shared.stop()
 
