@@ -108,6 +108,7 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
     return dict(concurrency=concurrency, requests=len(latencies), tokens=tokens, wall_s=wall,
                 tokens_per_s=tokens / wall, prompt_plus_generated_tokens_per_s=(tokens + prompt_tokens) / wall,
                 latency_median_s=statistics.median(latencies), latency_p90_s=_percentile(latencies, 0.9),
+                latency_max_s=max(latencies),
                 prompt_tokens=prompt_tokens, cached_prompt_tokens=cached)
 
 

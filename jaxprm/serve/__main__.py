@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Qwen2.5/3, Hermes templates) or llama3_json")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM command lines: tool calls are always parsed when a request has tools")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the decode and prefill programs of requests up to --warmup-max-len positions "
+                        "in the background from start, at a lower CPU priority (default: on); GET /health "
+                        "reports [compiled, planned]")
+    p.add_argument("--warmup-max-len", type=int, default=1024,
+                   help="longest prompt + output the warm-up prepares for (0: the server's longest)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -88,7 +94,8 @@ def main(argv=None) -> None:
                          decode_steps=args.decode_steps, prefill_chunk=args.prefill_chunk,
                          max_prefill_tokens=args.max_prefill_tokens, enable_prefix_cache=not args.no_prefix_cache,
                          weights_roots=weights_roots, tool_call_parser=args.tool_call_parser,
-                         shared_prefix_attention={"auto": None, "on": True, "off": False}[args.shared_prefix_attention])
+                         shared_prefix_attention={"auto": None, "on": True, "off": False}[args.shared_prefix_attention],
+                         warmup=args.warmup, warmup_max_len=args.warmup_max_len or None)
     app = create_app(sampler, tokenizer, config, load_fn=load_model)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

@@ -26,6 +26,7 @@ from jaxprm.serve.responses import Health
 from jaxprm.serve.sampler import Sampler
 from jaxprm.serve.serving import ServeConfig, Serving
 from jaxprm.serve.sglang_routes import sglang_router
+from jaxprm.serve.warmup import BackgroundWarmup
 
 __all__ = ["ServeConfig", "APIError", "create_app", "API_DESCRIPTION"]
 
@@ -59,9 +60,13 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         srv.engine.start()
+        if config.warmup:
+            srv.warmup = BackgroundWarmup(srv.engine, max_len=config.warmup_max_len).start()
         try:
             yield
         finally:
+            if srv.warmup is not None:
+                srv.warmup.stop()
             srv.engine.stop()
 
     app = FastAPI(title="jaxprm generation server", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -82,8 +87,10 @@ def create_app(
                                                           **errors(500)})
     async def health():
         ok = srv.engine.running
-        return JSONResponse({"status": "ok" if ok else "engine stopped", "weight_version": srv.sampler.weight_version},
-                            status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "engine stopped", "weight_version": srv.sampler.weight_version}
+        if srv.warmup is not None:
+            body["warmup_programs"] = [srv.warmup.done, srv.warmup.total]
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     app.include_router(openai_router(srv))
     app.include_router(sglang_router(srv))

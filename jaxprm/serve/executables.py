@@ -46,7 +46,8 @@ SAVE_EVENT = "/jaxprm/executables/save_duration"
 HIT_EVENT = "/jaxprm/executables/disk_hits"
 _SUBDIR = "jaxprm-executables"
 
-_lock = threading.RLock()  # reentrant: a lowering may need another program (the layer copies)
+_lock = threading.Lock()  # guards ``_key_locks``
+_key_locks: dict[str, threading.RLock] = {}  # one per program: a lowering may need another program
 _memory: dict[str, jax.stages.Compiled] = {}  # key -> executable, shared by every caller of the process
 
 
@@ -124,9 +125,15 @@ def load_or_compile(name: str, signature: tuple, lower: Callable[[], jax.stages.
     """The executable of program ``name`` for ``signature`` (a tuple whose ``repr`` names everything
     the program depends on besides the code: static arguments and :func:`abstract_signature` of the
     inputs): from memory, else from the disk store, else ``lower().compile()`` (then saved).
-    Thread-safe; each key is compiled at most once per process."""
+    Thread-safe; each key is compiled at most once per process, and a thread compiling one key
+    does not hold up another thread's different key."""
     key = _digest(name, signature)
+    hit = _memory.get(key)
+    if hit is not None:
+        return hit
     with _lock:
+        key_lock = _key_locks.setdefault(key, threading.RLock())
+    with key_lock:
         hit = _memory.get(key)
         if hit is not None:
             return hit

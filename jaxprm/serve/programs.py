@@ -37,6 +37,7 @@ process is loaded from disk without being traced or lowered (and is not counted)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,6 +134,11 @@ class ModelRunner:
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         self.pool = PagedKVCache.init(config, self.num_blocks, self.block_size, dtype=cache_dtype)
+        # the pool's abstract value: programs are lowered from it, never from ``self.pool``, which a
+        # decode call in another thread may have donated meanwhile (``jaxprm.serve.warmup``)
+        self._pool_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                       self.pool)
+        self._layers_lock = threading.Lock()
         self.unroll_layers = jax.default_backend() == "cpu" if unroll_layers is None else bool(unroll_layers)
         self._layers_of = None  # the params whose per-layer copies ``_layers`` holds
         self._layers = None
@@ -147,13 +153,14 @@ class ModelRunner:
         object, i.e. per weight version), or ``None`` when the runner does not unroll."""
         if not self.unroll_layers:
             return None
-        if params is not self._layers_of:
-            self._layers, self._layers_of = None, None  # drop the old copies before making new ones
-            program = self._program("_unstack", (), params,
-                                    lambda: _unstack.lower(self.graphdef, params, self.rest))
-            self._layers = program(params, self.rest)
-            self._layers_of = params
-        return self._layers
+        with self._layers_lock:  # the engine and a warm-up thread may both ask
+            if params is not self._layers_of:
+                self._layers, self._layers_of = None, None  # drop the old copies before making new ones
+                program = self._program("_unstack", (), params,
+                                        lambda: _unstack.lower(self.graphdef, params, self.rest))
+                self._layers = program(params, self.rest)
+                self._layers_of = params
+            return self._layers
 
     @property
     def num_compilations(self) -> int:
@@ -193,7 +200,7 @@ class ModelRunner:
         hot = (kind, shape_key, self._signature(params))
         program = self._programs.get(hot)
         if program is None:
-            fixed = (self._structure, hot[2], abstract_signature((self.rest, self.pool)))
+            fixed = (self._structure, hot[2], abstract_signature((self.rest, self._pool_spec)))
             program = load_or_compile(kind, (shape_key, fixed), lower)
             self._programs[hot] = program
         return program
@@ -202,7 +209,7 @@ class ModelRunner:
         S = jax.ShapeDtypeStruct
         return self._program(
             "_prefill_impl", (rows, chunk, nb), params,
-            lambda: _prefill.lower(self.graphdef, params, self.rest, self.pool, S((rows, chunk), jnp.int32),
+            lambda: _prefill.lower(self.graphdef, params, self.rest, self._pool_spec, S((rows, chunk), jnp.int32),
                                    S((rows, chunk), jnp.int32), S((rows, nb), jnp.int32)))
 
     def _decode_program(self, params, batch: int, nb: int, ns: int = 0, groups: int = 1, group_rows: int = 0, *,
@@ -211,7 +218,7 @@ class ModelRunner:
         key = (batch, nb, int(steps), int(top_n), bool(filtering)) + ((int(ns), int(groups), group_rows) if ns else ())
         return self._program(
             "_decode_impl", key, params,
-            lambda: _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self.pool,
+            lambda: _decode.lower(self.graphdef, params, self.rest, self.layer_weights(params), self._pool_spec,
                                   decode_input_shapes(batch, nb, ns, groups, group_rows), steps=steps, top_n=top_n,
                                   filtering=filtering))
 

@@ -228,6 +228,8 @@ class ModelList(_Out):
 class Health(_Out):
     status: str = Field(description="'ok' (200), or why not (503)")
     weight_version: int
+    warmup_programs: list[int] | None = Field(
+        None, description="[compiled, planned] programs of the background warm-up (absent when off)")
 
 
 # /generate (SGLang) ----------------------------------------------------------------------------

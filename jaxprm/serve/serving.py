@@ -72,6 +72,9 @@ class ServeConfig:
         ``Engine``; ``None``: by model size).
       tool_call_parser: how tool calls are read out of chat answers to requests with ``tools``
         (``rollout.tool_calls``: ``hermes`` for Qwen2.5/3 and Hermes templates, ``llama3_json``).
+      warmup: compile, from start and in the background, the decode and prefill programs requests
+        of up to ``warmup_max_len`` positions (prompt + output; ``None``: the server's longest) can
+        meet (``jaxprm.serve.warmup``), so that compiles leave the requests' latency.
     """
 
     model_name: str = "jaxprm"
@@ -98,6 +101,8 @@ class ServeConfig:
     window_factor: float | None = None
     shared_prefix_attention: bool | None = None
     tool_call_parser: str = "hermes"
+    warmup: bool = False
+    warmup_max_len: int | None = None
 
     def __post_init__(self):
         owner = type(self)
@@ -109,7 +114,7 @@ class ServeConfig:
                 "must not be empty (None serves without a key)", owner)
         object.__setattr__(self, "weights_roots", resolve_roots(self.weights_roots))
         for key in ("block_size", "decode_steps", "prefill_chunk", "max_prefill_tokens", "kv_cache_bytes",
-                    "max_request_tokens", "max_batch"):
+                    "max_request_tokens", "max_batch", "warmup_max_len"):
             value = getattr(self, key)
             require(value is None or int(value) >= 1, key, f"must be >= 1, got {value}", owner)
         require(self.max_prefill_tokens >= self.prefill_chunk, "max_prefill_tokens",
@@ -150,6 +155,7 @@ class Serving:
         self._token_text: dict[int, str] = {}
         self.tool_parser = get_parser(config.tool_call_parser)
         self.responses = ResponseStore()  # previous_response_id -> conversation (the last 10,000)
+        self.warmup = None  # the BackgroundWarmup while ``config.warmup`` (started with the app)
         self._renders_tools: bool | None = None
 
     def check_renders_tools(self) -> None:
