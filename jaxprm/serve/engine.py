@@ -470,7 +470,9 @@ class Engine:
             W = bucket_for(max(s.num_computed + min(k, s.remaining) - b for s, b in zip(rows, skip)),
                            self.own_window_buckets, "window")
             ns = bucket_for(max(skip), self.window_buckets, "shared window") // bs
-            R = min(B, group_slots(max(len(m) for m, _ in groups)))
+            # one group: slots for the whole batch (one program per batch, window pair: the ones the
+            # warm-up prepares); several: for the largest group
+            R = B if len(groups) == 1 else min(B, group_slots(max(len(m) for m, _ in groups)))
             inp, top_n, filtering = decode_arrays(rows, B, W // bs, groups=groups, S=group_slots(len(groups)),
                                                   R=R, ns=ns, block_size=bs)
             self.stats.shared_prefix_calls += 1

@@ -9,12 +9,13 @@ at concurrency 32 that met new prompt-length shapes ran at 77 tok/s against 175-
 within these limits can meet: for each KV window bucket up to ``max_len`` (shortest first: a
 conversation starts short), the decode programs of every batch bucket (the plain variant: no
 top-n alternatives, no top-k/top-p filtering), then the prefill programs of every chunk and row
-bucket. A program the engine needs while the thread compiles another is compiled by the engine
+bucket, and the cascade decode programs of batches that share one prompt prefix (a chat template,
+a system prompt) for the window pairs a request can reach. A program the engine needs while the thread compiles another is compiled by the engine
 as before (each program at most once: ``jaxprm.serve.executables`` locks per program). The thread
 runs at a lower CPU priority (``nice`` ``NICE``, Linux) so that on a machine with few cores the
 requests being served go first; ``stop()`` ends it between two programs. Not compiled ahead:
-shared-prefix (cascade) programs and the top-n / filtering variants (more shapes than they are
-worth ahead of time; the engine compiles them when met).
+cascade programs of several prefix groups and the top-n / filtering variants (more shapes than they
+are worth ahead of time; the engine compiles them when met).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import threading
 import time
 
+from jaxprm.serve.engine import MIN_SHARED_POSITIONS
 from jaxprm.serve.sampling import bucket_for
 
 __all__ = ["BackgroundWarmup", "warmup_plan", "NICE"]
@@ -34,21 +36,40 @@ log = logging.getLogger(__name__)
 NICE = 10
 
 
+def _below(buckets, b: int, floor: int = 0) -> int:
+    """The largest length that does not fit the bucket before ``b`` (``floor`` for the first)."""
+    smaller = [x for x in buckets if x < b]
+    return smaller[-1] if smaller else floor
+
+
 def warmup_plan(engine, max_len: int | None = None) -> list[tuple]:
     """The programs to compile for requests of at most ``max_len`` positions (prompt + output;
-    default the engine's longest), in order: ``("decode", batch, window)`` for every batch bucket,
-    then ``("prefill", rows, chunk, window)`` for every chunk / row bucket the scheduler can form,
-    window by window from the shortest."""
+    default the engine's longest), ordered by the shortest request that meets them (ties: decode,
+    prefill, cascade): ``("decode", batch, window)`` for every batch bucket and
+    ``("prefill", rows, chunk, window)`` for every chunk / row bucket the scheduler can form, per
+    window bucket; with the engine's ``shared_prefix_attention``, ``("cascade", batch, own window,
+    shared window)`` for batches of >= 2 rows that share one prefix (the chat template's or a
+    system prompt: one group of all rows), for every pair of windows a request can reach. Cascade
+    programs of several groups (GRPO groups of different prompts) are left to the engine."""
     top = engine.max_len if max_len is None else min(int(max_len), engine.max_len)
     if top < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     last = bucket_for(top, engine.window_buckets, "window")
-    plan = []
-    for w in (w for w in engine.window_buckets if w <= last):
-        plan += [("decode", b, w) for b in engine.batch_buckets]
-        plan += [("prefill", r, c, w) for c in engine.scheduler.chunk_buckets for r in engine.prefill_row_buckets
-                 if r == 1 or r * c <= engine.scheduler.max_prefill_tokens]
-    return plan
+    windows = [w for w in engine.window_buckets if w <= last]
+    items = []
+    for w in windows:
+        reach = _below(engine.window_buckets, w) + 1
+        items += [(reach, 0, ("decode", b, w)) for b in engine.batch_buckets]
+        items += [(reach, 1, ("prefill", r, c, w)) for c in engine.scheduler.chunk_buckets
+                  for r in engine.prefill_row_buckets if r == 1 or r * c <= engine.scheduler.max_prefill_tokens]
+    if engine.shared_prefix_attention:
+        for sw in windows:
+            shared = max(_below(engine.window_buckets, sw) + 1, MIN_SHARED_POSITIONS)
+            for ow in engine.own_window_buckets:
+                reach = shared + _below(engine.own_window_buckets, ow) + 1
+                if reach <= top:
+                    items += [(reach, 2, ("cascade", b, ow, sw)) for b in engine.batch_buckets if b > 1]
+    return [item for *_, item in sorted(items, key=lambda x: (x[0], x[1]))]
 
 
 class BackgroundWarmup:
@@ -106,6 +127,9 @@ class BackgroundWarmup:
                 params, _ = engine.sampler.snapshot()
                 if item[0] == "decode":
                     runner.compile_decode(params, item[1], item[2], steps=steps, top_n=0, filtering=False)
+                elif item[0] == "cascade":
+                    runner.compile_decode(params, item[1], item[2], steps=steps, top_n=0, filtering=False,
+                                          shared_window=item[3], shared_groups=1, group_rows=item[1])
                 else:
                     runner.compile_prefill(params, item[1], item[2], item[3])
                 self.done += 1

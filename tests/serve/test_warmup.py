@@ -38,10 +38,17 @@ def test_warmup_plan_orders_windows_from_the_shortest_with_decode_first(tiny):
 
 
 def test_requests_after_the_warmup_compile_nothing(tiny):
+    """Cascade decode on (the tiny model's default is off): rows that share a >= 64-token prompt
+    prefix decode through the one-group cascade programs, which the warm-up prepared too."""
     model, tok = tiny
-    with ServerHandle.start(model, tok, warmup=True, warmup_max_len=128, **KW) as server:
+    common = "The quick brown fox jumps over the lazy dog. " * 3
+    assert 64 <= len(tok.encode(common)) <= 96
+    with ServerHandle.start(model, tok, warmup=True, warmup_max_len=128, shared_prefix_attention=True,
+                            **KW) as server:
         warm = server.app.state.server.warmup
-        assert warm is not None and warm.total == len(warmup_plan(server.engine, 128))
+        plan = warmup_plan(server.engine, 128)
+        assert warm is not None and warm.total == len(plan)
+        assert {item[0] for item in plan} == {"decode", "prefill", "cascade"}
         with httpx.Client(base_url=server.url, timeout=120) as http:
             assert http.get("/health").json()["warmup_programs"][1] == warm.total  # served meanwhile
             assert warm.wait(300) and warm.error is None and warm.done == warm.total
@@ -49,13 +56,16 @@ def test_requests_after_the_warmup_compile_nothing(tiny):
             before = num_compilations()
 
             def complete(i: int) -> None:
-                r = http.post("/v1/completions", json=dict(model="jaxprm", prompt=f"request {i} " * (1 + i % 5),
-                                                           max_tokens=16, temperature=0))
+                prompt = (common if i % 2 else "") + f"request {i} " * (1 + i % 3)
+                r = http.post("/v1/completions", json=dict(model="jaxprm", prompt=prompt, max_tokens=16,
+                                                           temperature=0, ignore_eos=True))
                 assert r.status_code == 200, r.text
 
+            calls = server.engine.stats.shared_prefix_calls
             for c in (1, 3, 8):
                 with concurrent.futures.ThreadPoolExecutor(c) as pool:
                     list(pool.map(complete, range(c)))
+            assert server.engine.stats.shared_prefix_calls > calls  # the cascade programs ran
             assert num_compilations() == before
 
 
