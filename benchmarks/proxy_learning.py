@@ -24,7 +24,13 @@ Every run is its own process (a finished run is reused when its ``summary.json``
 per seed the held-out sampled success (64 maps x 4 samples) at every eval step for both arms, the
 gain (last - first), the difference agent - tree, and mean ± std over seeds; the JSON has the
 curves, training statistics (train success, sampled actions, generated tokens, behavior KL, masked
-turns, failed agent groups, rollout seconds) and the load average before and after each run.
+turns, failed agent groups, rollout seconds) and the load average before and after each run, and
+per seed the ratio of the arms' rollout seconds (issue 40's goal: agent <= 1.5x tree for the same
+samples; with common random numbers both arms generate the same tokens while their policies agree).
+A rollout-time measurement need not learn long:
+
+    python -m benchmarks.proxy_learning --seeds 0 --steps 10 --json PATH warm_start.steps=50 \
+        eval.at_start=false eval.every_steps=100 eval.num_tasks=8
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
@@ -128,6 +136,12 @@ def _summary(runs: list[dict], arms: list[str]) -> dict:
         seeds = [s for s in out["agent"]["seeds"] if ("tree", s) in by]
         d = np.array([by["agent", s]["success"][-1] - by["tree", s]["success"][-1] for s in seeds])
         out["agent_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()), "std": float(d.std())}
+        ratio = [by["agent", s]["rollout_s"] / max(by["tree", s]["rollout_s"], 1e-9) for s in seeds]
+        out["rollout_time_ratio"] = {"seeds": seeds, "agent_s": [by["agent", s]["rollout_s"] for s in seeds],
+                                     "tree_s": [by["tree", s]["rollout_s"] for s in seeds], "agent_over_tree": ratio,
+                                     "same_generated_tokens": [by["agent", s]["generated_tokens"]
+                                                               == by["tree", s]["generated_tokens"] for s in seeds],
+                                     "goal": "agent / tree <= 1.5 (issue 40)"}
     return out
 
 
@@ -146,6 +160,10 @@ def _print_summary(summary: dict, runs: list[dict], arms: list[str]) -> None:
         d = summary["agent_minus_tree"]
         print(f"agent - tree at the last eval, per seed: {', '.join(f'{x:+.3f}' for x in d['last'])}; "
               f"mean {d['mean']:+.3f} ± {d['std']:.3f}")
+        t = summary["rollout_time_ratio"]
+        print("rollout seconds agent / tree, per seed: " + ", ".join(
+            f"{a:.1f} / {b:.1f} = {r:.2f}x" for a, b, r in zip(t["agent_s"], t["tree_s"], t["agent_over_tree"]))
+            + f" (same generated tokens: {all(t['same_generated_tokens'])}; goal <= 1.5x)")
     for arm in arms:
         s = summary[arm]
         print(f"{arm:<6} train success {s['train_success_mean']:.3f}, sampled actions {s['sampled_actions_mean']:.0f}, "
@@ -163,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": str(CONFIG.relative_to(ROOT)), "overrides": args.overrides, "steps": args.steps,
-            "cpus": os.cpu_count()}
+    meta = {**provenance(), "config": str(CONFIG.relative_to(ROOT)), "overrides": args.overrides,
+            "steps": args.steps, "cpus": os.cpu_count()}
     runs: list[dict] = []
     for seed in args.seeds:  # the arms of a seed back to back, so machine load affects both alike
         for arm in args.arms:
