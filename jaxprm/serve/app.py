@@ -66,7 +66,7 @@ def create_app(
             yield
         finally:
             if srv.warmup is not None:
-                srv.warmup.stop()
+                srv.warmup.stop(timeout=30)  # mid-compile: the daemon thread finishes that program alone
             srv.engine.stop()
 
     app = FastAPI(title="jaxprm generation server", lifespan=lifespan, docs_url=None, redoc_url=None,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxprm.train.compilation import METER, PhaseTimes
 
@@ -133,6 +134,7 @@ print(d.count, d.cache_hits, step.compiles)
 """
 
 
+@pytest.mark.slow  # two fresh processes compiling learner steps: 48 s of the default suite on 2 cores
 def test_neighbouring_learner_shapes_compiled_in_the_background_are_loaded_later(tmp_path):
     from jaxprm.train.packed import neighbour_shapes
 

@@ -108,6 +108,7 @@ DATA = ("reward", "success", "trajectories", "sampled_actions", "generated_token
 LEARNED = ("loss", "grad_norm")  # equal up to float rounding: the server may batch the requests differently
 
 
+@pytest.mark.slow  # three 4-step runs: 92 s of the default suite on 2 cores
 def test_max_staleness_zero_is_the_synchronous_loop_and_one_overlaps_within_the_bound(tmp_path):
     def run(name, *extra):
         # length-budget process rewards: an advantage on every token even when every episode fails
