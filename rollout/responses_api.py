@@ -16,9 +16,9 @@ ignored.
 
 An answer (an assistant chat message) becomes a ``response`` object (:func:`response_object`):
 a ``message`` item with one ``output_text`` part when it has content, then one ``function_call``
-item per tool call (``call_id`` = the chat call id). Streamed, :func:`response_events` emits the
-API's event sequence for the finished answer (created, in_progress, per item added / deltas /
-done, completed).
+item per tool call (``call_id`` = the chat call id). Streamed, :class:`ResponseEvents` emits the
+API's event sequence (created, in_progress, per item added / deltas / done, completed) as the
+answer's text arrives (the server), or :func:`response_events` for a finished answer (the proxy).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["to_chat_body", "input_messages", "conversation", "output_items", "response_object", "response_events",
-           "ResponseStore"]
+           "ResponseEvents", "pending_response", "ResponseStore"]
 
 ErrorFactory = Callable[[str, str], Exception]
 
@@ -203,47 +203,97 @@ def response_object(response_id: str, model: str, message: Mapping[str, Any], re
     }
 
 
-def response_events(response: Mapping[str, Any]) -> Iterator[bytes]:
-    """Server-sent events of a finished ``response``: ``response.created``, ``response.in_progress``,
-    then per output item ``output_item.added``, its text (``content_part.added``,
-    ``output_text.delta``, ``output_text.done``, ``content_part.done``) or arguments
-    (``function_call_arguments.delta`` / ``.done``), ``output_item.done``; then
-    ``response.completed`` (``response.incomplete`` when truncated)."""
-    seq = 0
+class ResponseEvents:
+    """The Responses API's server-sent events, emitted as an answer is generated.
 
-    def event(kind: str, **data: Any) -> bytes:
-        nonlocal seq
-        payload = json.dumps({"type": kind, "sequence_number": seq, **data}, separators=(",", ":"))
-        seq += 1
+    ``start(pending)`` gives ``response.created`` and ``response.in_progress`` (``pending``: the
+    response object so far: ``status: in_progress``, no output, no usage); ``text(delta)`` opens the
+    ``message`` item (``output_item.added``, ``content_part.added``) at the first text and gives an
+    ``output_text.delta`` per call; ``finish(response)`` closes the message (``output_text.done``,
+    ``content_part.done``, ``output_item.done``), gives every other item of the final ``response``
+    whole (a ``function_call``: added, ``function_call_arguments.delta`` / ``.done``, done) and ends
+    with ``response.completed`` (``response.incomplete`` when truncated). The streamed message item
+    keeps its id in the final object (``message_id``). Every event carries its ``sequence_number``.
+    """
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.text_so_far = ""
+        self.opened = False
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        payload = json.dumps({"type": kind, "sequence_number": self.seq, **data}, separators=(",", ":"))
+        self.seq += 1
         return f"event: {kind}\ndata: {payload}\n\n".encode()
 
-    pending = {**response, "status": "in_progress", "output": [], "usage": None}
-    yield event("response.created", response=pending)
-    yield event("response.in_progress", response=pending)
-    for index, item in enumerate(response["output"]):
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                        part=part)
-            yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                        delta=text, logprobs=[])
-            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                        text=text, logprobs=[])
-            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                        part={**part, "text": text})
-        else:
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "status": "in_progress", "arguments": ""})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        name=item["name"], arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=index, item=item)
-    done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    yield event(done, response=dict(response))
+    def start(self, pending: Mapping[str, Any]) -> list[bytes]:
+        return [self._event("response.created", response=dict(pending)),
+                self._event("response.in_progress", response=dict(pending))]
+
+    def _open(self) -> list[bytes]:
+        self.opened = True
+        item = {"type": "message", "id": self.message_id, "role": "assistant", "status": "in_progress", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._event("response.output_item.added", output_index=0, item=item),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+                            content_index=0, part=part)]
+
+    def text(self, delta: str) -> list[bytes]:
+        if not delta:
+            return []
+        out = [] if self.opened else self._open()
+        self.text_so_far += delta
+        return out + [self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                  content_index=0, delta=delta, logprobs=[])]
+
+    def finish(self, response: dict[str, Any]) -> list[bytes]:
+        """The closing events for the final ``response`` (its message item, if any, takes
+        ``message_id``; its text must start with what was streamed)."""
+        response = {**response, "output": [dict(item) for item in response["output"]]}
+        out: list[bytes] = []
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                item["id"] = self.message_id
+                text = item["content"][0]["text"]
+                if not text.startswith(self.text_so_far):
+                    raise ValueError("the final text does not continue the streamed text")
+                if not self.opened:
+                    out += self._open()
+                if text[len(self.text_so_far):]:
+                    out += self.text(text[len(self.text_so_far):])
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                out += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                    content_index=0, text=text, logprobs=[]),
+                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                    content_index=0, part=part)]
+            else:
+                out += [self._event("response.output_item.added", output_index=index,
+                                    item={**item, "status": "in_progress", "arguments": ""}),
+                        self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=index, delta=item["arguments"]),
+                        self._event("response.function_call_arguments.done", item_id=item["id"],
+                                    output_index=index, name=item["name"], arguments=item["arguments"])]
+            out.append(self._event("response.output_item.done", output_index=index, item=item))
+        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + [self._event(done, response=dict(response))]
+
+
+def pending_response(response: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``response`` object of the first events: ``in_progress``, no output, no usage."""
+    return {**response, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+
+
+def response_events(response: dict[str, Any]) -> Iterator[bytes]:
+    """Server-sent events of a finished ``response`` (:class:`ResponseEvents` with the whole text at
+    once): ``response.created``, ``response.in_progress``, then per output item
+    ``output_item.added``, its text (``content_part.added``, ``output_text.delta``,
+    ``output_text.done``, ``content_part.done``) or arguments (``function_call_arguments.delta`` /
+    ``.done``), ``output_item.done``; then ``response.completed`` (``response.incomplete`` when
+    truncated)."""
+    events = ResponseEvents()
+    yield from events.start(pending_response(response))
+    yield from events.finish(response)
 
 
 class ResponseStore:

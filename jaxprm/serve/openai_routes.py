@@ -45,7 +45,7 @@ from jaxprm.serve.responses import EVENT_STREAM, ChatCompletionResponse, Complet
 from jaxprm.serve.sampling import MAX_TOP_LOGPROBS
 from jaxprm.serve.serving import Serving, build_choices, sampling_params
 from jaxprm.serve.streaming import SSE_DONE, SSE_HEADERS, pieces, sse
-from rollout.responses_api import conversation, response_events, response_object, to_chat_body
+from rollout.responses_api import ResponseEvents, conversation, pending_response, response_object, to_chat_body
 from rollout.tool_calls import StreamSplitter, ToolRequest, check_tool_messages, parse_tool_request
 
 __all__ = ["openai_router"]
@@ -183,6 +183,42 @@ async def _chat_events(srv: Serving, req: ChatCompletionRequest, deltas, n: int,
         cached = done[0].cached_tokens if 0 in done else 0
         yield chunk([], _usage(len(prompt_ids), completion_tokens, cached))
     yield SSE_DONE
+
+
+async def _response_events(srv: Serving, req, body: dict[str, Any], chat: dict[str, Any],
+                           creq: ChatCompletionRequest, job, deltas):
+    """SSE events of a streamed ``/v1/responses``: its text as it is generated (tool-call markup held
+    back and given as ``function_call`` items at the end), then the final response object."""
+    rid, created = f"resp_{uuid.uuid4().hex}", time.time()
+    events = ResponseEvents()
+    empty = {"role": "assistant", "content": ""}
+    pending = pending_response(response_object(rid, srv.config.model_name, empty, body, input_tokens=0,
+                                               output_tokens=0, created_at=created))
+    for e in events.start(pending):
+        yield e
+    splitter = StreamSplitter(job.tools, srv.tool_parser) if job.tools is not None else None
+    last = None
+    async for p in pieces(deltas, 1, srv.decode, job.stops, srv.logprobs_mode(creq), srv.sampler.eos_token_ids):
+        for e in events.text(splitter.feed(p.text) if splitter is not None else p.text):
+            yield e
+        last = p
+    message: dict[str, Any] = {"role": "assistant", "content": events.text_so_far}
+    if splitter is not None:
+        rest, parsed = splitter.finish()
+        _count_tools(srv, parsed)
+        message["content"] = events.text_so_far + rest
+        if parsed.calls:
+            message["tool_calls"] = [c.to_openai() for c in parsed.calls]
+    srv.responses.put(rid, conversation(chat["messages"], message, req.instructions))
+    version = last.completion.weight_version if last is not None and last.completion is not None else None
+    obj = response_object(rid, srv.config.model_name, message, body, input_tokens=len(job.rows[0]),
+                          output_tokens=len(last.tokens) if last is not None else 0,
+                          cached_tokens=last.cached_tokens if last is not None else 0,
+                          truncated=last is not None and last.finish_reason == "length" and not message.get("tool_calls"),
+                          created_at=created,
+                          extra={"weight_version": srv.sampler.weight_version if version is None else version})
+    for e in events.finish(obj):
+        yield e
 
 
 def _stream_response(events) -> StreamingResponse:
@@ -435,6 +471,9 @@ def openai_router(srv: Serving) -> APIRouter:
         except ValidationError as exc:  # the translated input: a 400 like any request body
             raise RequestValidationError(exc.errors()) from None
         job = await _parse_chat(srv, creq)
+        if req.stream:
+            deltas = srv.stream(job.rows, job.params, job.choices)
+            return _stream_response(_response_events(srv, req, body, chat, creq, job, deltas))
         results = await srv.run(job.rows, job.params, job.choices, request=raw)
         answer = _chat_body(srv, creq, job, results)
         choice = answer["choices"][0]
@@ -446,8 +485,6 @@ def openai_router(srv: Serving) -> APIRouter:
                               cached_tokens=answer["usage"]["prompt_tokens_details"]["cached_tokens"],
                               truncated=choice["finish_reason"] == "length",
                               extra={"weight_version": answer["weight_version"]})
-        if req.stream:
-            return _stream_response(response_events(obj))
         return obj
 
     return router

@@ -161,3 +161,26 @@ def test_responses_api_calls_continue_and_stream(client):
         client.responses.create(model="tiny-tools", previous_response_id="resp_nope", input="x")
     with pytest.raises(openai.BadRequestError, match="only function tools"):
         client.responses.create(model="tiny-tools", input="x", tools=[{"type": "file_search"}])
+
+
+def test_a_streamed_response_sends_its_text_as_it_is_generated(client):
+    """``/v1/responses`` with ``stream``: the text arrives in several ``output_text.delta`` events
+    (one per engine delta), their concatenation is the final text, which is the unstreamed answer's
+    (greedy), read through the SDK's stream helper; a streamed response can be continued by
+    ``previous_response_id``."""
+    kw = dict(model="tiny-tools", input="Describe the lake.", temperature=0, max_output_tokens=24)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:  # the SDK's helper: its accumulator checks each event
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.output[0].id == events[2].item.id
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    later = client.responses.create(model="tiny-tools", previous_response_id=events[-1].response.id, input="More.",
+                                    temperature=0, max_output_tokens=4)
+    assert later.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens
