@@ -1,8 +1,8 @@
-"""Generation-server benchmark: our engine vs Hugging Face ``generate``, and PaTR rollouts with the
-prefix cache on vs off.
+"""Generation-server benchmark: our engine vs Hugging Face ``generate`` (and llama.cpp), and PaTR
+rollouts with the prefix cache on vs off.
 
     python -m benchmarks.serve [--json PATH] [--models tiny,smollm2-135m] [--concurrency 1,8,32,64]
-                               [--hf-batches 1,32] [--skip-hf] [--skip-patr]
+                               [--hf-batches 1,32] [--skip-hf] [--skip-patr] [--anchor llamacpp]
 
 1. **Server levels** (per model): an in-process server (``ServerHandle``, continuous batching, prefix
    cache on) on 127.0.0.1; per concurrency ``c``, ``c`` asyncio clients in a child process (so the
@@ -24,6 +24,10 @@ prefix cache on vs off.
    config: 8 groups of budget 8, B0 = 4, K, M, top-k, the progress branch scorer) is rolled out
    against the embedded server for ``--patr-rounds`` rounds with the prefix cache on and off
    (alternating, same seeds): prefilled prompt tokens, cached tokens and wall time per round.
+4. **llama.cpp** (``--anchor llamacpp``): llama-cpp-python's OpenAI server (found in this
+   environment, else built from source: ``find_or_build_llamacpp``) on SmolLM2's GGUF, the Q4_1
+   file our engine dequantizes, ``--anchor-threads`` threads; the same clients, prompts and levels
+   as section 1 (one warm-up round per level), and ours / llama.cpp per concurrency.
 
 Every section records ``os.getloadavg()`` (this machine is shared: compare numbers taken under
 similar load).
@@ -49,6 +53,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import httpx  # noqa: E402
 import jax  # noqa: E402
 
+from benchmarks.provenance import provenance  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 from jaxprm.serve.sampling import buckets_up_to  # noqa: E402
@@ -354,6 +359,14 @@ def print_table(results) -> None:
         print()
         for row in cmp:
             print(f"ours / transformers at {row['batch']:>3d} (cache {row['prefix_cache']}): {row['ratio']:.2f}x")
+    ll = results.get("llamacpp")
+    if ll:
+        print()
+        for lv in ll["levels"]:
+            print(f"llama.cpp ({ll['gguf']}, {ll['threads']} threads) at {lv['concurrency']:>3d}: "
+                  f"{lv['tokens_per_s']:.1f} tok/s")
+        for row in results.get("llamacpp_comparison", []):
+            print(f"ours / llama.cpp at {row['concurrency']:>3d}: {row['ours_over_llamacpp']:.2f}x")
     patr = results.get("patr")
     if patr:
         print()
@@ -362,6 +375,78 @@ def print_table(results) -> None:
               f"{patr['cache_off']['wall_s']:.1f} s -> {patr['cache_on']['wall_s']:.1f} s "
               f"({patr['wall_speedup']:.2f}x); identical branches on/off: "
               f"{100 * patr['identical_branches_fraction']:.0f}%")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. llama.cpp (the CPU user's single-stream reference)
+
+LLAMACPP_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+LLAMACPP_VERSION = "0.3.36"
+
+
+def find_or_build_llamacpp() -> str:
+    """The installed ``llama_cpp`` version; else build llama-cpp-python ``LLAMACPP_VERSION`` from
+    source into this environment (~18 minutes on 2 cores) with ``LLAMACPP_CMAKE_ARGS`` (no native
+    tuning: some VMs advertise AMX and trap on it), plus its server's extras."""
+    try:
+        import llama_cpp
+
+        return llama_cpp.__version__
+    except ImportError:
+        pass
+    print(f"  building llama-cpp-python {LLAMACPP_VERSION} from source (~18 min on 2 cores) ...", flush=True)
+    env = dict(os.environ, CMAKE_ARGS=LLAMACPP_CMAKE_ARGS)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMACPP_VERSION}"],
+                   check=True, env=env)
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
+def bench_llamacpp(*, concurrency, per_client: int, max_tokens: int, threads: int) -> dict:
+    """llama-cpp-python's OpenAI server on SmolLM2's GGUF (the file our engine loads), ``threads``
+    threads, the same prompts and clients as the server levels (greedy, ``max_tokens``); it serves
+    requests one after another."""
+    import socket
+
+    from jaxprm.models.loading import smollm2_gguf_path
+
+    version = find_or_build_llamacpp()
+    _, tok = load_model("smollm2-135m")
+    prompt = _prompt_text(tok)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()), "--host", "127.0.0.1",
+           "--port", str(port), "--n_threads", str(threads), "--n_ctx", "2048", "--model_alias", "smollm2-135m"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("llama.cpp server did not start in 300 s")
+            time.sleep(1)
+        levels = []
+        for c in concurrency:
+            _run_level_in_child(url, "smollm2-135m", prompt, c, 1, max_tokens, f"llwarm-{c}")
+            level = _run_level_in_child(url, "smollm2-135m", prompt, c, per_client, max_tokens, f"llrun-{c}")
+            level["loadavg"] = _load()
+            levels.append(level)
+            print(f"  llama.cpp: concurrency {c:3d}: {level['tokens_per_s']:8.1f} tok/s, p50 latency "
+                  f"{level['latency_median_s']:.2f} s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return dict(engine="llama.cpp", llama_cpp_python=version, gguf=smollm2_gguf_path().name, threads=threads,
+                cmake_args=LLAMACPP_CMAKE_ARGS, levels=levels)
 
 
 def _per_model(spec: str, name: str, default: int) -> int:
@@ -394,11 +479,14 @@ def main(argv=None) -> None:
     p.add_argument("--hf-device", default="auto", help="torch device for transformers (auto: cuda if present)")
     p.add_argument("--skip-patr", action="store_true")
     p.add_argument("--patr-rounds", type=int, default=3)
+    p.add_argument("--anchor", default="", choices=("", "llamacpp"),
+                   help="llamacpp: also run llama-cpp-python's server on the same GGUF (found, or built from source)")
+    p.add_argument("--anchor-threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
                devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), loadavg_start=_load())
-    results: dict = dict(environment=env, server=[])
+    results: dict = dict(provenance(), environment=env, server=[])
     models = [m for m in args.models.split(",") if m]
     for name in models:
         print(f"benchmarking the server on {name} ...", flush=True)
@@ -415,6 +503,18 @@ def main(argv=None) -> None:
         results["comparison"] = [
             dict(batch=b["batch"], prefix_cache=lv["prefix_cache"], ratio=lv["tokens_per_s"] / b["tokens_per_s"])
             for b in hf["batches"] for lv in ours["levels"] if lv["concurrency"] == b["batch"]]
+    if args.anchor == "llamacpp":
+        print("benchmarking llama.cpp on the same GGUF ...", flush=True)
+        results["llamacpp"] = bench_llamacpp(concurrency=_ints(args.concurrency),
+                                             per_client=_per_model(args.requests_per_client, "smollm2-135m", 1),
+                                             max_tokens=_per_model(args.max_tokens, "smollm2-135m", 32),
+                                             threads=args.anchor_threads)
+        ours = next((r for r in results["server"] if r["model"] == "smollm2-135m"), None)
+        if ours is not None:
+            results["llamacpp_comparison"] = [
+                dict(concurrency=ll["concurrency"], ours_over_llamacpp=lv["tokens_per_s"] / ll["tokens_per_s"])
+                for ll in results["llamacpp"]["levels"] for lv in ours["levels"]
+                if lv["concurrency"] == ll["concurrency"] and lv["prefix_cache"]]
     if not args.skip_patr:
         print("benchmarking PaTR rollouts (prefix cache on / off) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
