@@ -419,13 +419,15 @@ def bench_llamacpp(*, concurrency, per_client: int, max_tokens: int, threads: in
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_ctx", "2048", "--model_alias", "smollm2-135m"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # llama.cpp logs a lot: a pipe nobody reads would block it
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp server exited: {proc.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"llama.cpp server exited: {log.read()[-2000:]}")
             try:
                 if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
                     break
@@ -445,6 +447,7 @@ def bench_llamacpp(*, concurrency, per_client: int, max_tokens: int, threads: in
     finally:
         proc.terminate()
         proc.wait(30)
+        log.close()
     return dict(engine="llama.cpp", llama_cpp_python=version, gguf=smollm2_gguf_path().name, threads=threads,
                 cmake_args=LLAMACPP_CMAKE_ARGS, levels=levels)
 
