@@ -103,7 +103,7 @@ async def _run_level(url: str, model_name: str, prompt: str, concurrency: int, p
             usage = r.json()["usage"]
             tokens += usage["completion_tokens"]
             prompt_tokens += usage["prompt_tokens"]
-            cached += usage["prompt_tokens_details"]["cached_tokens"]
+            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # llama.cpp: none
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
