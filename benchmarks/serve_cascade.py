@@ -38,16 +38,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 
 from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.serve import _load  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import Engine  # noqa: E402
 from jaxprm.serve.cascade import group_slots  # noqa: E402
 from jaxprm.serve.programs import ModelRunner, decode_input_shapes  # noqa: E402
 from jaxprm.serve.sampler import Sampler  # noqa: E402
 from jaxprm.serve.sampling import bucket_for  # noqa: E402
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _inputs(B: int, nb: int, position: int, ns: int = 0, S: int = 0, R: int = 0) -> dict[str, np.ndarray]:

@@ -35,14 +35,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from benchmarks.provenance import provenance  # noqa: E402
-from benchmarks.serve import _prompt_text, _run_level_in_child  # noqa: E402
+from benchmarks.serve import _load, _prompt_text, _run_level_in_child  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 from jaxprm.serve.programs import num_compilations  # noqa: E402
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def run_server(name: str, model, tok, *, warmup: bool, concurrency, max_tokens: int) -> dict:

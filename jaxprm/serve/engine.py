@@ -599,6 +599,12 @@ class Engine:
         m.compilations.set(self.runner.num_compilations)
 
     # warm-up -------------------------------------------------------------------------------------
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(rows, chunk)`` bucket pair a prefill call can have (one row of any chunk, or
+        rows x chunk within ``max_prefill_tokens``), chunk by chunk."""
+        return [(r, c) for c in self.scheduler.chunk_buckets for r in self.prefill_row_buckets
+                if r == 1 or r * c <= self.scheduler.max_prefill_tokens]
+
     def precompile(self, *, batch_sizes: Sequence[int] | None = None, windows: Sequence[int] | None = None,
                    top_logprobs: bool = False, filtering: bool = False, prefill: bool = True,
                    shared_windows: Sequence[int] = (), own_windows: Sequence[int] | None = None,
@@ -619,10 +625,8 @@ class Engine:
             for b in bs:
                 self.runner.compile_decode(params, b, w, steps=self.decode_steps, top_n=top_n, filtering=filtering)
             if prefill:
-                for c in self.scheduler.chunk_buckets:
-                    for r in self.prefill_row_buckets:
-                        if r == 1 or r * c <= self.scheduler.max_prefill_tokens:
-                            self.runner.compile_prefill(params, r, c, w)
+                for r, c in self.prefill_shapes():
+                    self.runner.compile_prefill(params, r, c, w)
         if self.shared_prefix_attention:
             for sw in sorted({bucket_for(int(w), self.window_buckets, "window") for w in shared_windows}):
                 own = (o for o in self.own_window_buckets if o <= ws[-1]) if own_windows is None else sorted(

@@ -60,8 +60,7 @@ def warmup_plan(engine, max_len: int | None = None) -> list[tuple]:
     for w in windows:
         reach = _below(engine.window_buckets, w) + 1
         items += [(reach, 0, ("decode", b, w)) for b in engine.batch_buckets]
-        items += [(reach, 1, ("prefill", r, c, w)) for c in engine.scheduler.chunk_buckets
-                  for r in engine.prefill_row_buckets if r == 1 or r * c <= engine.scheduler.max_prefill_tokens]
+        items += [(reach, 1, ("prefill", r, c, w)) for r, c in engine.prefill_shapes()]
     if engine.shared_prefix_attention:
         for sw in windows:
             shared = max(_below(engine.window_buckets, sw) + 1, MIN_SHARED_POSITIONS)
