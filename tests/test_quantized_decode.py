@@ -13,7 +13,7 @@ qwix = pytest.importorskip("qwix")
 from benchmarks.quantized_decode import CONTRACTED, SPECS, _mul_reduce, _quantize, rounded_model  # noqa: E402
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", ["q_proj", "o_proj", "down_proj"])  # 3-D output, 2 contracted axes, 2-D
 def test_the_fused_int8_projection_is_qwix_einsum(name):
     spec = SPECS[name]
     shapes = {"q_proj": (12, 3, 4), "k_proj": (12, 1, 4), "v_proj": (12, 1, 4), "o_proj": (3, 4, 12),
@@ -48,6 +48,6 @@ def test_the_rounded_model_rounds_every_projection_and_leaves_the_original():
         assert err.max() > 0, name
     # int4 with a scale per 32 inputs rounds closer than one scale per output channel
     w = before["gate_proj"]
-    e4 = np.abs(np.asarray(rounded_model(model, "int4").layers.stacked()["gate_proj"]) - w).mean()
-    e4_32 = np.abs(np.asarray(rounded_model(model, "int4/32").layers.stacked()["gate_proj"]) - w).mean()
+    e4, e4_32 = (np.abs(np.asarray(qwix.dequantize(_quantize(jnp.asarray(w), (1,), q))) - w).mean()
+                 for q in ("int4", "int4/32"))
     assert e4_32 < e4
