@@ -14,8 +14,9 @@ def import_object(spec: str, *, where: str, colon_only: bool = False, shape: str
     or, unless ``colon_only``, ``package.module.attr`` (split at the last dot).
 
     Errors name the config key or flag ``where`` and the ``spec``: a malformed spec raises
-    ``ValueError`` ("must look like ``shape``"); a module that cannot be imported re-raises its
-    ``ImportError`` with a note; a missing attribute raises ``ImportError`` ("has no attribute").
+    ``ValueError`` ("must look like ``shape``"); a module that cannot be imported raises an
+    ``ImportError`` of the same class naming ``where``, the spec and the original error (chained); a
+    missing attribute raises ``ImportError`` ("has no attribute").
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{where} must be a non-empty import path like {shape}, got {spec!r}")
@@ -30,8 +31,8 @@ def import_object(spec: str, *, where: str, colon_only: bool = False, shape: str
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
-        err.add_note(f"while resolving {where}={spec!r}")
-        raise
+        raise type(err)(f"{where}={spec!r}: cannot import module {module_name!r}: {err}", name=err.name,
+                        path=err.path) from err
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -131,6 +131,13 @@ def test_unreachable_external_server_fails_after_bounded_retries(tmp_path, free_
     assert time.monotonic() - t0 < 120
 
 
+def test_a_scorer_module_that_is_missing_names_its_key():
+    out = subprocess.run([sys.executable, "-m", "jaxprm.train", "prm.scorers=[{path: no_such_module_q.Scorer}]",
+                          "steps=1"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "prm.scorers[0].path='no_such_module_q.Scorer'" in out.stderr and "No module named" in out.stderr
+
+
 def test_resume_of_a_non_run_dir(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jaxprm.train", "--resume", str(tmp_path)], capture_output=True,
                          text=True, cwd=ROOT, env=_env(), timeout=120)
