@@ -14,7 +14,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 #: ``jaxprm.normalize`` mean / std levels (``None``: no centring / std 1).
 NORM_LEVELS = ("batch", "group", None)
-#: ``jaxprm.shape_advantages(mode=...)``: how process rewards shape advantages (DESIGN.md).
+#: ``jaxprm.shape_advantages(mode=...)``: how process rewards shape advantages (docs/design.md).
 SHAPING_MODES = ("additive", "gvpo", "process_weighted")
 #: ``jaxprm.decoupled_policy_loss(behave_mode=...)``: how the behaviour importance weight is capped.
 BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask", "mask_sequence")

@@ -23,7 +23,7 @@ carries a penalty signal). Otherwise the group is rejected, as *all correct* (un
 ``filter_mixed_or_penalized_all_wrong_mask_no_eos`` matches an actor that clears the process
 rewards of truncated samples (``mask_no_eos_with_zero``): it differs only in the all-wrong test,
 where negative process rewards of truncated samples (no EOS) do not count. The mixed-outcome test
-always uses every sample's outcome reward, truncated ones included (the reference rule, DESIGN.md).
+always uses every sample's outcome reward, truncated ones included (the reference rule, docs/design.md).
 
 Each call returns a ``FilterDecision`` (truthy when kept) and, given ``counters``, increments the
 reference's counters: ``rejected_by_failed_or_perfect`` for every rejected group together with

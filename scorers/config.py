@@ -99,7 +99,7 @@ class AdvantageShapingConfig:
     """How the learner applies direct process rewards after GAE and normalization.
 
     Attributes:
-      mode: ``additive`` (``A + p``), ``gvpo`` or ``process_weighted`` (see DESIGN.md).
+      mode: ``additive`` (``A + p``), ``gvpo`` or ``process_weighted`` (see docs/design.md).
       negative_scale: gvpo: a negative advantage on a penalized token becomes ``(1 + s) A``.
       zero_penalty: gvpo: a near-zero advantage on a penalized token becomes ``-zero_penalty``.
       zero_eps: gvpo: ``|A| <= zero_eps`` counts as zero.

@@ -1,4 +1,4 @@
-"""The house's layering (../shared/DESIGN.md), declared in pyproject.toml and checked by import-linter:
+"""The house's layering (docs/design.md), declared in pyproject.toml and checked by import-linter:
 jaxprm.learner < rollout.types < scorers < rollout < jaxprm.models < jaxprm.serve < jaxprm.train."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The learner's batch: one frozen pytree of fixed-shape, right-padded arrays.
 
-Conventions (see DESIGN.md):
+Conventions (see docs/design.md):
 
 * ``tokens`` is *token-aligned*: ``tokens[b, t]`` is the t-th token of row b.
 * Every other ``[B, T]`` array is in *prediction positions*: entry ``t`` is about token ``t+1``,

@@ -1,6 +1,6 @@
 """Reward placement and per-token reward terms, in prediction positions.
 
-All ``[B, T]`` arrays follow the prediction-position convention of DESIGN.md: entry ``t`` concerns
+All ``[B, T]`` arrays follow the prediction-position convention of docs/design.md: entry ``t`` concerns
 token ``t+1``. ``shift_to_prediction`` is the single edge where token-aligned data is moved there.
 """
 

@@ -1,4 +1,4 @@
-"""The recording proxy (the process-reward spec's v1/v2 data path; ``../shared/PROXY.md``), layer 4.
+"""The recording proxy (the process-reward spec's v1/v2 data path; ``docs/design.md``, "The recording proxy"), layer 4.
 
 Any agent written against the official ``openai`` SDK talks to the proxy as if it were a model
 server (``base_url`` + a session key as ``api_key``). The proxy forwards each chat call token-in /

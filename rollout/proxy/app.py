@@ -1,6 +1,6 @@
 """The proxy's FastAPI app: routes, keys, error answers and the lifespan (layer 4).
 
-Routes (``Authorization: Bearer <key>``; PROXY.md has the full table):
+Routes (``Authorization: Bearer <key>``; docs/design.md restates the proxy):
 
 =============================  =======  ===================================================================
 ``POST /rl/start_session``     admin    ``{task_id, group_size=1, api_key?, group_id?, seed?}`` -> 201

@@ -55,7 +55,7 @@ EXPORT_STYLES = ("concat", "individual")
 
 @dataclasses.dataclass(frozen=True)
 class ExportRequest:
-    """``POST /export_trajectories`` (see PROXY.md); built with :meth:`from_body`."""
+    """``POST /export_trajectories`` (see docs/design.md, "The recording proxy"); built with :meth:`from_body`."""
 
     session_ids: tuple[str, ...]
     group_id: str | None = None

@@ -1,4 +1,4 @@
-"""Kernels vs float64 numpy references on random shapes and masks, worked examples from DESIGN.md,
+"""Kernels vs float64 numpy references on random shapes and masks, worked examples from docs/design.md,
 jit/vmap/grad invariants, recompilation, and bad-input errors."""
 
 import dataclasses
@@ -202,7 +202,7 @@ def test_shift_and_placement():
                                [20.0, 0.0])
 
 
-# --- Worked examples from DESIGN.md, verbatim --------------------------------------------------
+# --- Worked examples from docs/design.md, verbatim --------------------------------------------------
 
 
 def test_gvpo_worked_example():

@@ -70,7 +70,7 @@ def test_bad_requests_are_4xx_with_clear_messages_and_lose_nothing(upstream):
                 await call("start_bound_key", "/rl/start_session", {"task_id": "y", "api_key": s.api_key},
                            admin_headers())
                 await call("unknown_route", "/v1/embeddings", {"input": "x"}, key_headers(s.api_key))
-                # PROXY.md: non-concat PRM exports and duplicate ids are refused before anything is claimed
+                # docs/design.md (the proxy): non-concat PRM exports and duplicate ids are refused before anything is claimed
                 srv.proxy.set_reward(s, {"reward": 1.0})
                 await call("prm_individual", "/export_trajectories", {"session_ids": [s.id], "style": "individual"},
                            admin_headers())

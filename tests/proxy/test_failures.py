@@ -1,4 +1,4 @@
-"""The failure and concurrency rules of PROXY.md, with fault injection: a scorer that raises on one
+"""The failure and concurrency rules of the proxy (docs/design.md), with fault injection: a scorer that raises on one
 session, a missing session, a cancelled export, a retried export after consumption, an export during
 an in-flight chat on __hitl__, concurrent exports, shutdown with scoring in flight, a scorer that
 fails at startup, the stale-session sweep and an upstream failure."""

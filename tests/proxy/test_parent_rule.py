@@ -64,7 +64,7 @@ def test_null_keys_are_ignored_and_in_flight_records_are_skipped():
 
 
 def _brute_force_parent(s: Session, norm):
-    """PROXY.md's rule, literally: the completed record with the most messages whose messages +
+    """The parent rule (docs/design.md), literally: the completed record with the most messages whose messages +
     output prefix ``norm``; ties to the earliest."""
     best = None
     for rec in sorted(s.records.values(), key=lambda r: r.seq):
@@ -129,7 +129,7 @@ async def _reward(srv, key, body):
 
 
 def _check_row(row, records, version):
-    """Tokens of every turn sit token-identical in the row; masks/logprobs/turn ids/versions as PROXY.md."""
+    """Tokens of every turn sit token-identical in the row; masks/logprobs/turn ids/versions as docs/design.md states."""
     tokens = np.asarray(row["tokens"])
     mask = np.asarray(row["loss_mask"])
     lps = np.asarray(row["logprobs"], np.float32)
