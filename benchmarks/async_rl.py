@@ -25,22 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks._harness import free_port, wait_healthy
 from jaxprm.train.rundir import read_metrics
 
 ASYNC = ["rollout.asynchronous=true", "rollout.max_staleness=1", "ppo.decoupled=true"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _ExternalServer:
@@ -48,23 +42,12 @@ class _ExternalServer:
 
     def __init__(self, root: Path, log: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxprm.serve", "--model", "tiny", "--port",
                                       str(self.port), "--weights-root", str(root),
                                       "--served-model-name", "jaxprm"],
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
-        import urllib.request
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"the external server exited; see {log}") from None
-                time.sleep(0.5)
-        raise SystemExit("the external server did not come up")
+        wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, timeout=300, log=log)
 
     def overrides(self, weights: Path) -> list[str]:
         return ["server.kind=external", f"server.urls=[http://127.0.0.1:{self.port}]", "server.dialect=vllm",

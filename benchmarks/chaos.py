@@ -44,6 +44,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks._harness import free_port, wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The trainer's settings in a campaign: tiny and quick, no warm start (the servers' base weights are
@@ -59,14 +61,6 @@ CONFIG = [
 
 def _env() -> dict[str, str]:
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -86,19 +80,12 @@ class ServerProcess:
         self.proc = subprocess.Popen([sys.executable, *self.command], cwd=ROOT, env=_env(), stdout=f,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         f.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server on port {self.port} exited ({self.proc.returncode}); see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"server on port {self.port} did not answer /health within {timeout:.0f} s; see {self.log}")
+        try:
+            wait_healthy(self.url, self.proc, timeout=timeout, log=self.log)
+        except RuntimeError:
+            self.kill()  # its whole process group
+            raise
+        return self
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -70,7 +70,7 @@ def synthetic_rows(factor: float, *, groups: int, leaves: int, suffix: int, voca
 
 def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, Any]]:
     """PaTR groups with the default trainer settings against the scripted navigator."""
-    from benchmarks.rollout import _scorer, _start_server
+    from benchmarks._harness import start_scripted_upstream
     from rollout.chat import PromptBuilder
     from rollout.client import ClientConfig, GenerationClient
     from rollout.envs import make_tasks
@@ -78,6 +78,7 @@ def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, An
     from rollout.stats import describe_groups
     from rollout.testing import make_test_tokenizer
     from rollout.tree import run_groups
+    from scorers import FrozenLakeProgressScorer
 
     from jaxprm.train.config import TrainConfig
     from jaxprm.train.adapters import env_factory, tree_config
@@ -86,13 +87,13 @@ def patr_rows(n_groups: int, seed: int = 0) -> tuple[list[RowData], dict[str, An
     e = cfg.env
     tasks, _ = make_tasks(seed, n_groups, 0, sizes=(e.size,), p_frozen=e.p, max_turns=e.max_turns)
     tree = tree_config(cfg, max_context=None)  # the trainer's own mapping, so nothing is lost on the way
-    proc, url = _start_server(0.6)
+    proc, url = start_scripted_upstream("frozenlake", "--p-good", "0.6")
     try:
         async def go():
             async with GenerationClient(ClientConfig(endpoints=(url,), max_concurrency=64)) as client:
                 return await run_groups(tasks, env_factory=env_factory(cfg), client=client,
                                         prompts=PromptBuilder(make_test_tokenizer()), config=tree,
-                                        scorer=_scorer()[0], group_seed=seed)
+                                        scorer=FrozenLakeProgressScorer(), group_seed=seed)
 
         groups = asyncio.run(go())
     finally:

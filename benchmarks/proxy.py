@@ -46,7 +46,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tarfile
@@ -56,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._harness import free_port, start_scripted_upstream, wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "bench-admin"
 SYSTEM = "FrozenLake: reach G, avoid holes O; P is you, _ is ice. Answer one move: ```Left```, ```Down```."
@@ -64,28 +65,6 @@ MOVE = {"type": "function", "function": {"name": "move", "description": "Move on
     "required": ["direction"]}}}
 KINDS = {"chat": ("hashed", "rollout.testing:make_test_tokenizer"),
          "tools": ("tools", "rollout.testing:make_tools_test_tokenizer")}  # kind -> (upstream policy, tokenizer)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not come up")
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -235,11 +214,8 @@ def _export_rev(rev: str, into: Path) -> None:
 def start_stack(procs: list[subprocess.Popen], policy: str, env: dict[str, str]) -> str:
     """Start the scripted upstream (``python -m rollout.testing --policy policy``) into ``procs``;
     returns its URL once it answers."""
-    port = _free_port()
-    procs.append(subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(port), "--policy", policy],
-                                  cwd=ROOT, env=env))
-    url = f"http://127.0.0.1:{port}"
-    _wait_up(url, procs[-1])
+    proc, url = start_scripted_upstream(policy, env=env)
+    procs.append(proc)
     return url
 
 
@@ -247,13 +223,13 @@ def start_proxy(procs: list[subprocess.Popen], upstream: str, tokenizer: str, ma
                 cwd: Path = ROOT) -> str:
     """Start ``python -m rollout.proxy`` (SGLang dialect) in front of ``upstream`` into ``procs``;
     returns its URL once it answers."""
-    port = _free_port()
+    port = free_port()
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "rollout.proxy", "--upstream", upstream, "--dialect", "sglang", "--tokenizer",
          tokenizer, "--port", str(port), "--default-max-tokens", str(max_tokens), "--log-level", "error"],
         cwd=cwd, env=env))
     url = f"http://127.0.0.1:{port}"
-    _wait_up(url, procs[-1])
+    wait_healthy(url, procs[-1])
     return url
 
 

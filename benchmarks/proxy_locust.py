@@ -34,7 +34,8 @@ import httpx
 import numpy as np
 
 from benchmarks.proxy import ADMIN, ROOT, start_proxy, start_stack, stop_all
-from benchmarks.proxy_soak import GROUP, _proc_sample
+from benchmarks._harness import proc_sample
+from benchmarks.proxy_soak import GROUP
 
 LOCUSTFILE = ROOT / "benchmarks" / "locust" / "proxy_agents.py"
 
@@ -98,7 +99,7 @@ def run(args) -> dict:
             groups, sessions = open_sessions(url, args.agents)
             (tmp / "sessions.json").write_text(json.dumps(sessions))
             httpx.get(url + "/rl/stats?reset=1", headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
-            before = _proc_sample(pid)
+            before = proc_sample(pid)
             cmd = [_locust(), "-f", str(LOCUSTFILE), "--headless", "--users", str(args.agents), "--spawn-rate",
                    str(args.spawn_rate), "--host", url, "--run-time", f"{args.max_s}s", "--csv", str(tmp / "locust"),
                    "--only-summary", "--loglevel", "WARNING", "--stop-timeout", "5"]
@@ -108,7 +109,7 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=lenv, cwd=ROOT, capture_output=True, text=True)
             wall = time.perf_counter() - t0
-            after = _proc_sample(pid)
+            after = proc_sample(pid)
             played_rows = [json.loads(line) for line in (tmp / "played.jsonl").read_text().splitlines()] \
                 if (tmp / "played.jsonl").is_file() else []
             if not played_rows:

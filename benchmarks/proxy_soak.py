@@ -33,16 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._harness import proc_sample
 from benchmarks.proxy import ADMIN, ROOT, start_proxy, start_stack, stop_all
 
 GROUP = 8
-
-
-def _proc_sample(pid: int) -> dict[str, float]:
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    field = {ln.split(":")[0]: ln.split(":")[1].strip() for ln in status if ":" in ln}
-    return {"rss_mb": int(field["VmRSS"].split()[0]) / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": int(field["Threads"])}
 
 
 async def _wave(url: str, http, n: int, turns: int, tag: str, lat: list[float]) -> dict:
@@ -114,7 +108,7 @@ async def _run(url: str, pid: int, args) -> dict:
             done += n
             for k in totals:
                 totals[k] += out[k]
-            samples.append({"sessions": done, **_proc_sample(pid)})
+            samples.append({"sessions": done, **proc_sample(pid)})
             if len(samples) % 5 == 0 or done == args.sessions:
                 s = samples[-1]
                 print(f"  soak: {done:>6} sessions  RSS {s['rss_mb']:.1f} MB  fds {s['fds']}  threads {s['threads']}",

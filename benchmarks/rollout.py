@@ -19,11 +19,10 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from typing import Any
+
+from benchmarks._harness import start_scripted_upstream
 
 from rollout.chat import PromptBuilder
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
@@ -34,36 +33,6 @@ from rollout.testing import make_test_tokenizer
 from rollout.groups import TreeConfig
 from rollout.tree import run_groups
 from scorers import FrozenLakeProgressScorer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(p_good: float) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.testing", "--port", str(port), "--policy", "frozenlake",
-                             "--p-good", str(p_good)], env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"scripted server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("scripted server did not come up")
-
-
-def _scorer() -> tuple[Any, str]:
-    return FrozenLakeProgressScorer(), "scorers.FrozenLakeProgressScorer"
 
 
 async def _bench(url: str, tasks: list, cfg: TreeConfig, scorer: Any, prompts: PromptBuilder, seed: int) -> dict[str, Any]:
@@ -114,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = PromptBuilder(tok)
     tasks, _ = make_tasks(args.seed, args.tasks, 0, sizes=[int(s) for s in args.sizes.split(",")],
                           p_frozen=args.p_frozen, max_turns=args.max_turns)
-    scorer, scorer_name = _scorer()
+    scorer, scorer_name = FrozenLakeProgressScorer(), "scorers.FrozenLakeProgressScorer"
     sampling = SamplingParams(max_tokens=32)
     common = dict(max_turns=args.max_turns, sampling=sampling, seed=args.seed, theta=6)
     configs = [
@@ -122,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         TreeConfig(strategy="tree_random", b0=args.b0, k=args.k, max_branches=args.group, **common),
         TreeConfig(strategy="patr", b0=args.b0, k=args.k, max_branches=args.group, **common),
     ]
-    proc, url = _start_server(args.p_good)
+    proc, url = start_scripted_upstream("frozenlake", "--p-good", str(args.p_good))
     try:
         # warm-up (connection pool, server code paths)
         asyncio.run(_bench(url, tasks[:2], configs[0], scorer, prompts, 10_000))

@@ -53,6 +53,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import httpx  # noqa: E402
 import jax  # noqa: E402
 
+from benchmarks._harness import loadavg  # noqa: E402
 from benchmarks.provenance import provenance  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
@@ -68,10 +69,6 @@ PROMPT_MESSAGES = [
         "Current observation:\nP _ _ _\n_ O _ O\n_ _ _ O\nO _ _ G\n"
         "Please show your thinking process and put the final action in ``` ```.")},
 ]
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _percentile(xs, q):
@@ -134,7 +131,7 @@ def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, ma
     load_s = time.perf_counter() - t0
     prompt = _prompt_text(tok)
     result = dict(model=name, params=model.num_params(), prompt_tokens=len(tok.encode(prompt)),
-                  max_tokens=max_tokens, load_s=load_s, loadavg_start=_load())
+                  max_tokens=max_tokens, load_s=load_s, loadavg_start=loadavg())
     with ServerHandle.start(model, tok, model_name=name, sampler_kwargs={"max_batch": max_batch},
                             decode_steps=decode_steps) as server:
         engine = server.engine
@@ -176,7 +173,7 @@ def bench_server(name: str, *, concurrency, no_cache_levels, per_client: int, ma
             level.update(prefix_cache=cache, warmup_s=warm_s, recompiles=engine.num_compilations - n0,
                          shared_prefix_calls=st.shared_prefix_calls - sp0,
                          mean_rows_per_batch=(st.rows - r0) / max(1, st.batches - b0),
-                         ttft_mean_s=(ttft_sum - ttft_sum0) / max(1, ttft_n - ttft_n0), loadavg=_load())
+                         ttft_mean_s=(ttft_sum - ttft_sum0) / max(1, ttft_n - ttft_n0), loadavg=loadavg())
             levels.append(level)
             print(f"  {name}: concurrency {c:3d} (cache {'on' if cache else 'off'}): {level['tokens_per_s']:8.1f} "
                   f"tok/s, p50 latency {level['latency_median_s']:.2f} s, TTFT {level['ttft_mean_s']:.2f} s, "
@@ -238,7 +235,7 @@ def bench_hf(name: str, batches, max_tokens: int, device: str = "auto"):
             sync()
             wall = time.perf_counter() - t0
         n = (gen.shape[1] - enc["input_ids"].shape[1]) * b
-        row = dict(batch=b, tokens=n, wall_s=wall, tokens_per_s=n / wall, loadavg=_load())
+        row = dict(batch=b, tokens=n, wall_s=wall, tokens_per_s=n / wall, loadavg=loadavg())
         out["batches"].append(row)
         print(f"  transformers generate: batch {b:3d}: {row['tokens_per_s']:8.1f} tok/s ({wall:.2f} s), "
               f"load {row['loadavg'][0]}", flush=True)
@@ -299,7 +296,7 @@ def bench_patr(rounds: int, workdir: Path):
             return dict(round=i, prefix_cache=cache, wall_s=wall, prompt_tokens=st.prompt_tokens - q0,
                         prefilled_tokens=st.prefill_tokens - p0, cached_tokens=st.cached_tokens - c0,
                         expanded=sum(g.stats.expanded for g in groups), pruned=sum(g.stats.pruned for g in groups),
-                        sampled_actions=sum(g.stats.sampled_actions for g in groups), loadavg=_load(),
+                        sampled_actions=sum(g.stats.sampled_actions for g in groups), loadavg=loadavg(),
                         recompiles=engine.num_compilations - n0, branches=leaves)
 
         for i in range(3):  # warm-up until a round compiles nothing new
@@ -440,7 +437,7 @@ def bench_llamacpp(*, concurrency, per_client: int, max_tokens: int, threads: in
         for c in concurrency:
             _run_level_in_child(url, "smollm2-135m", prompt, c, 1, max_tokens, f"llwarm-{c}")
             level = _run_level_in_child(url, "smollm2-135m", prompt, c, per_client, max_tokens, f"llrun-{c}")
-            level["loadavg"] = _load()
+            level["loadavg"] = loadavg()
             levels.append(level)
             print(f"  llama.cpp: concurrency {c:3d}: {level['tokens_per_s']:8.1f} tok/s, p50 latency "
                   f"{level['latency_median_s']:.2f} s", flush=True)
@@ -488,7 +485,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
-               devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), loadavg_start=_load())
+               devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), loadavg_start=loadavg())
     results: dict = dict(provenance(), environment=env, server=[])
     models = [m for m in args.models.split(",") if m]
     for name in models:
@@ -522,7 +519,7 @@ def main(argv=None) -> None:
         print("benchmarking PaTR rollouts (prefix cache on / off) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             results["patr"] = bench_patr(args.patr_rounds, Path(tmp))
-    env["loadavg_end"] = _load()
+    env["loadavg_end"] = loadavg()
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:

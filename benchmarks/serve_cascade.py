@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 
 from benchmarks.provenance import provenance  # noqa: E402
-from benchmarks.serve import _load  # noqa: E402
+from benchmarks._harness import loadavg  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import Engine  # noqa: E402
 from jaxprm.serve.cascade import group_slots  # noqa: E402
@@ -138,7 +138,7 @@ def bench(model_name: str, groups: int, rows: int, prompt: int, generated: int, 
     res["bound_speedup_median"] = v["per_row"]["median_ms"] / v["own_only"]["median_ms"]
     res["goal"] = ">= 1.3x per_row at c=32 (4 groups x 8 rows, 128-token prompts)"
     res["goal_met"] = bool(res["speedup_median"] >= 1.3)
-    res["loadavg_end"] = _load()
+    res["loadavg_end"] = loadavg()
     return res
 
 
@@ -165,7 +165,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    res = dict(provenance(), loadavg_start=_load())
+    res = dict(provenance(), loadavg_start=loadavg())
     print(f"cascade decode on {args.model}: {args.groups} x {args.rows} rows ...", flush=True)
     res.update(bench(args.model, args.groups, args.rows, args.prompt, args.generated, args.repeats))
     print_table(res)

@@ -31,14 +31,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._harness import loadavg  # noqa: E402
+
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import Engine  # noqa: E402
 from jaxprm.serve.programs import ModelRunner, decode_input_shapes  # noqa: E402
 from jaxprm.serve.sampler import Sampler  # noqa: E402
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def decode_inputs(B: int, window: int, block_size: int, position: int, temperature: float) -> dict[str, np.ndarray]:
@@ -102,7 +100,7 @@ def bench(model_name: str, batches, window: int, position: int, repeats: int, an
                 best = min(ts)
                 row = dict(variant=name, batch=B, temperature=temperature, steps=steps, window=window,
                            best_ms=1e3 * best, median_ms=1e3 * float(np.median(ts)),
-                           tokens_per_s=B * steps / best, first_call_s=compile_s[name], loadavg=_load())
+                           tokens_per_s=B * steps / best, first_call_s=compile_s[name], loadavg=loadavg())
                 rows.append(row)
                 print(f"  B={B:3d} k={steps} T={temperature:.0f} {name:8s}: best {row['best_ms']:8.1f} ms, median "
                       f"{row['median_ms']:8.1f} ms, {row['tokens_per_s']:8.1f} tok/s (first call "
@@ -137,11 +135,11 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     env = dict(platform=platform.platform(), jax=jax.__version__, devices=[str(d) for d in jax.devices()],
-               cpu_count=os.cpu_count(), loadavg_start=_load())
+               cpu_count=os.cpu_count(), loadavg_start=loadavg())
     print(f"decode programs of {args.model} (anchor {args.anchor or 'none'}) ...", flush=True)
     res = bench(args.model, [int(b) for b in args.batches.split(",")], args.window, args.position, args.repeats,
                 args.anchor or None, [int(k) for k in args.steps.split(",") if k])
-    res.update(environment=env, anchor=args.anchor, loadavg_end=_load())
+    res.update(environment=env, anchor=args.anchor, loadavg_end=loadavg())
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:

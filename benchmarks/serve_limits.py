@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,9 @@ from typing import Any
 
 import httpx
 
+from benchmarks._harness import free_port, wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(port: int) -> subprocess.Popen:
@@ -45,18 +40,8 @@ def _start(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "jaxprm.serve", "--model", "tiny", "--port", str(port),
                              "--log-level", "warning"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+    wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=300)
+    return proc
 
 
 def _health_during(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="rounds (round 0 includes the first compiles)")
     args = p.parse_args(argv)
     load0 = os.getloadavg()
-    port = _free_port()
+    port = free_port()
     proc = _start(port)
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(0)

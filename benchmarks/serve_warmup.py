@@ -35,7 +35,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from benchmarks.provenance import provenance  # noqa: E402
-from benchmarks.serve import _load, _prompt_text, _run_level_in_child  # noqa: E402
+from benchmarks._harness import loadavg  # noqa: E402
+from benchmarks.serve import _prompt_text, _run_level_in_child  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 from jaxprm.serve.programs import num_compilations  # noqa: E402
@@ -61,7 +62,7 @@ def run_server(name: str, model, tok, *, warmup: bool, concurrency, max_tokens: 
                 r = _run_level_in_child(server.url, name, prompt, c, 1, max_tokens, f"{phase}-{c}")
                 level[phase] = dict(latency_median_s=r["latency_median_s"], latency_max_s=r["latency_max_s"],
                                     tokens_per_s=r["tokens_per_s"], compiled=num_compilations() - n0)
-            level["loadavg"] = _load()
+            level["loadavg"] = loadavg()
             out["levels"].append(level)
             f, a = level["first"], level["again"]
             print(f"  {out['server']:6s} c={c:3d}: first p50 {f['latency_median_s']:6.2f} s (max "
@@ -104,7 +105,7 @@ def main(argv=None) -> dict:
             json.dump(out, f)
         return out
     res = dict(provenance(), model=args.model, max_tokens=args.max_tokens, concurrency=concurrency,
-               loadavg_start=_load(), servers=[])
+               loadavg_start=loadavg(), servers=[])
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +118,7 @@ def main(argv=None) -> dict:
             with open(path) as f:
                 res["servers"].append(json.load(f))
     res["wall_s"] = time.perf_counter() - t0
-    res["loadavg_end"] = _load()
+    res["loadavg_end"] = loadavg()
     print_table(res)
     if args.json:
         with open(args.json, "w") as f:
