@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import free_port, wait_healthy
+from benchmarks.provenance import write_result
 from jaxprm.train.rundir import read_metrics
 
 ASYNC = ["rollout.asynchronous=true", "rollout.max_staleness=1", "ppo.decoupled=true"]
@@ -154,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 for seed in a.external_seeds or a.seeds}
     table = _table(results)
     print(table)
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"steps": a.steps, "seeds": a.seeds, "cpus": os.cpu_count(), "results": results,
-                                  "table": table}, indent=1, default=str))
+    write_result(a.json, {"steps": a.steps, "seeds": a.seeds, "cpus": os.cpu_count(), "results": results,
+                          "table": table})
     return 0
 
 

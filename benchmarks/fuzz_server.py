@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
 from typing import Any
+
+from benchmarks.provenance import write_result
 
 __all__ = ["fuzz", "main"]
 
@@ -119,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for f in report["failures"][:20]:
         print("FAILURE", f)
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_result(args.json, report)
     return 1 if report["server_errors"] or report["failures"] else 0
 
 

@@ -23,7 +23,6 @@ and of ``compute_advantages``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -32,6 +31,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.provenance import write_result
 
 import jaxprm
 
@@ -466,8 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "loadavg_before": os.getloadavg(), "break_even": gae_break_even(sizes, args.repeats)}
         result["loadavg_after"] = os.getloadavg()
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
+            write_result(args.json, result)
             print(f"wrote {args.json}")
         return result
     if torch is not None:
@@ -481,8 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
         times = ", ".join(f"{m} {t:.3f} ms" for m, t in g["ms"].items())
         print(f"GAE at {g['B']}x{g['T']}: {times}; fastest: {g['fastest']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(args.json, result)
         print(f"wrote {args.json}")
     return result
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.provenance import write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -287,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['damage']} | {k} | {r['steps_exact']} | {r['warned']} | {v.get('data_rows_equal')} | "
               f"{v.get('max_param_diff')} |")
     print(json.dumps(summary, indent=1))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    write_result(args.json, out)
     ok = summary["all_resumed"] and summary["all_steps_exact"] and summary["all_damage_warned"]
     return 0 if ok else 1
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import platform
 import time
@@ -33,6 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.provenance import write_result
 import optax
 
 import jaxprm
@@ -199,9 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "args": vars(args), "results": results,
     }
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        write_result(args.json, out)
         print(f"wrote {args.json}")
     return out
 

@@ -1,5 +1,6 @@
 """What every results JSON records about how it was made: the commit (and whether the tree had
-uncommitted changes), the command line, the machine and the date."""
+uncommitted changes), the command line, the machine (CPU model, cores, memory, accelerators), the
+jax / jaxlib versions and the date; ``write_result`` writes a benchmark's JSON with it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["provenance"]
+__all__ = ["provenance", "write_result"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,17 +32,61 @@ def _module(script: str) -> str:
         return path.stem
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """``{"commit", "dirty", "command", "machine", "date"}`` for the running benchmark."""
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def provenance(argv: list[str] | None = None, *, config: dict | None = None) -> dict:
+    """``{"commit", "dirty", "command", "machine", "date"}`` (and ``"config"``, the resolved config
+    of the run, when given) for the running benchmark."""
     import jax
+    import jaxlib
 
     argv = sys.argv if argv is None else argv
-    return {
+    out = {
         "commit": _git("rev-parse", "HEAD") or None,
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "command": " ".join(["python", "-m", _module(argv[0]) if argv else "?", *argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
+                    "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "memory_gib": _memory_gib(),
+                    "python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
                     "devices": [str(d.device_kind) for d in jax.devices()]},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if config is not None:
+        out["config"] = config
+    return out
+
+
+def write_result(path: str | os.PathLike, payload: dict, *, config: dict | None = None) -> Path:
+    """Write ``provenance(config=config)`` and ``payload`` as JSON to ``path`` (parents made); returns
+    the path. The benchmarks' one JSON writer. A payload dict under a provenance key (a benchmark's
+    own ``"machine"``) is merged under it, provenance's entries winning; any other clash is an error."""
+    import json
+
+    prov = provenance(config=config)
+    out = {**prov}
+    for key, value in payload.items():
+        if key not in prov:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(prov[key], dict):  # e.g. a benchmark's own "machine"
+            out[key] = {**value, **prov[key]}
+        else:
+            raise ValueError(f"the result's key {key!r} is provenance's; rename it")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return path

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import time
 from typing import Any
 
 from benchmarks._harness import start_scripted_upstream
+from benchmarks.provenance import write_result
 
 from rollout.chat import PromptBuilder
 from rollout.client import ClientConfig, GenerationClient, SamplingParams
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                         for c in r["per_checkpoint"]], "(index, active, expanded, pruned)")
     out = {"args": vars(args), "scorer": scorer_name, "results": results}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_result(args.json, out)
         print(f"wrote {args.json}")
     return out
 

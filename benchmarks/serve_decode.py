@@ -21,7 +21,6 @@ compile seconds; and ``os.getloadavg()`` (this machine is shared: compare number
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -32,6 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import loadavg  # noqa: E402
+from benchmarks.provenance import write_result  # noqa: E402
 
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import Engine  # noqa: E402
@@ -142,8 +142,7 @@ def main(argv=None) -> dict:
     res.update(environment=env, anchor=args.anchor, loadavg_end=loadavg())
     print_table(res)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_result(args.json, res)
         print(f"wrote {args.json}")
     return res
 

@@ -17,7 +17,6 @@ after: timings on a shared machine are noisy). About 2 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks._harness import free_port, wait_healthy
+from benchmarks.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<52} {b['small_s']}  (big: {b['big_status']} after {b['big_s']} s)")
     print(f"load average {out['loadavg_start']} -> {out['loadavg_end']}")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_result(args.json, out)
     return 0
 
 

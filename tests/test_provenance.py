@@ -1,0 +1,28 @@
+"""``benchmarks.provenance``: every results JSON names its commit, command, machine and versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.provenance import provenance, write_result
+
+
+def test_write_result_records_provenance_and_merges_a_machine_dict(tmp_path):
+    path = write_result(tmp_path / "sub" / "r.json", {"rows": [1, 2], "machine": {"backend": "cpu", "cpus": -1}},
+                        config={"steps": 3})
+    r = json.loads(path.read_text())
+    assert r["rows"] == [1, 2] and r["config"] == {"steps": 3}
+    assert len(r["commit"]) == 40 and isinstance(r["dirty"], bool) and r["command"].startswith("python -m ")
+    m = r["machine"]
+    assert m["backend"] == "cpu"  # the benchmark's own entry is kept ...
+    assert m["cpus"] >= 1  # ... and provenance's wins a clash
+    assert {"cpu_model", "memory_gib", "jax", "jaxlib", "devices", "python"} <= set(m)
+    assert r["date"].endswith("+00:00")
+
+
+def test_a_clash_with_a_provenance_field_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="'commit' is provenance's"):
+        write_result(tmp_path / "r.json", {"commit": "abc"})
+    assert "config" not in provenance()
