@@ -389,7 +389,8 @@ def agent_campaign(*, kills: int, rounds: int, rng: random.Random, groups: int =
     }
 
 
-def _table(campaigns: list[dict]) -> str:
+def campaign_table(campaigns: list[dict]) -> str:
+    """The campaigns as a markdown table (one row per campaign)."""
     lines = ["| campaign | faults | steps lost | rows duplicated | steps without an update | max behavior_kl "
              "| failovers | recoveries | time to recover (s, median / max) |", "|---|---|---|---|---|---|---|---|---|"]
     for c in campaigns:
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.table:
         out = json.loads(args.json.read_text())
-        out["table"] = _table(out["campaigns"])
+        out["table"] = campaign_table(out["campaigns"])
         args.json.write_text(json.dumps(out, indent=1))
         print(out["table"])
         return 0
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh = {c["kind"]: c for c in campaigns}
         kept = [fresh.pop(c["kind"], c) for c in json.loads(args.json.read_text())["campaigns"]]
         campaigns = kept + list(fresh.values())
-    table = _table(campaigns)
+    table = campaign_table(campaigns)
     print(table)
     out = {**provenance(), "benchmark": "chaos", **{k: (str(v) if isinstance(v, Path) else v)
                                                     for k, v in vars(args).items()},

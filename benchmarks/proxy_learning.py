@@ -22,7 +22,7 @@ the runs drift apart like two seeds.
 
 Every run is its own process (a finished run is reused when its ``summary.json`` exists). Prints
 per seed the held-out sampled success (64 maps x 4 samples) at every eval step for both arms, the
-gain (last - first), the difference agent - tree, and mean ± std over seeds; the JSON has the
+gain (last - first), the difference agent - tree, and mean ± sample std over seeds; the JSON has the
 curves, training statistics (train success, sampled actions, generated tokens, behavior KL, masked
 turns, failed agent groups, rollout seconds) and the load average before and after each run, and
 per seed the ratio of the arms' rollout seconds (issue 40's goal: agent <= 1.5x tree for the same
@@ -123,11 +123,12 @@ def _summary(runs: list[dict], arms: list[str]) -> dict:
         n = min(len(r["success"]) for r in rs)
         succ = np.array([r["success"][:n] for r in rs])
         gain = succ[:, -1] - succ[:, 0]
+        ddof = 1 if len(rs) > 1 else 0  # the sample std over seeds (0 for one seed)
         out[arm] = {"seeds": [r["seed"] for r in rs], "steps": rs[0]["steps"][:n],
-                    "mean": succ.mean(0).tolist(), "std": succ.std(0).tolist(),
+                    "mean": succ.mean(0).tolist(), "std": succ.std(0, ddof=ddof).tolist(),
                     "first_mean": float(succ[:, 0].mean()), "last_mean": float(succ[:, -1].mean()),
-                    "last_std": float(succ[:, -1].std()), "gain": gain.tolist(), "gain_mean": float(gain.mean()),
-                    "gain_std": float(gain.std()),
+                    "last_std": float(succ[:, -1].std(ddof=ddof)), "gain": gain.tolist(), "gain_mean": float(gain.mean()),
+                    "gain_std": float(gain.std(ddof=ddof)),
                     "train_success_mean": float(np.mean([r["train_success_mean"] for r in rs])),
                     "sampled_actions_mean": float(np.mean([r["sampled_actions"] for r in rs])),
                     "generated_tokens_mean": float(np.mean([r["generated_tokens"] for r in rs]))}
@@ -135,7 +136,7 @@ def _summary(runs: list[dict], arms: list[str]) -> dict:
         by = {(r["arm"], r["seed"]): r for r in runs}
         seeds = [s for s in out["agent"]["seeds"] if ("tree", s) in by]
         d = np.array([by["agent", s]["success"][-1] - by["tree", s]["success"][-1] for s in seeds])
-        out["agent_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()), "std": float(d.std())}
+        out["agent_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()), "std": float(d.std(ddof=1 if len(d) > 1 else 0))}
         ratio = [by["agent", s]["rollout_s"] / max(by["tree", s]["rollout_s"], 1e-9) for s in seeds]
         out["rollout_time_ratio"] = {"seeds": seeds, "agent_s": [by["agent", s]["rollout_s"] for s in seeds],
                                      "tree_s": [by["tree", s]["rollout_s"] for s in seeds], "agent_over_tree": ratio,

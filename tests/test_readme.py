@@ -1,4 +1,5 @@
-"""The README's snippet runs, and its set-up commands match what CI runs."""
+"""The README's and the getting-started page's snippets run, and the README's set-up commands match
+what CI runs."""
 
 import pathlib
 import re
@@ -7,13 +8,23 @@ ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def test_readme_snippets_run():
-    """Every python snippet, in order, in one namespace (a later one may use an earlier one's names)."""
-    code = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert code, "README has no python snippet"
+def _run_snippets(path: pathlib.Path) -> dict:
+    """Every python snippet of ``path``, in order, in one namespace (a later one may use an earlier
+    one's names)."""
+    code = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert code, f"{path.name} has no python snippet"
     namespace: dict = {}
     for snippet in code:
-        exec(compile(snippet, "README.md", "exec"), namespace)
+        exec(compile(snippet, str(path), "exec"), namespace)
+    return namespace
+
+
+def test_readme_snippets_run():
+    _run_snippets(ROOT / "README.md")
+
+
+def test_getting_started_snippets_run():
+    namespace = _run_snippets(ROOT / "docs" / "getting-started.md")
     import numpy as np
 
     # the tree-credit snippet's sibling term: +-1 on the two sibling turns, 0 elsewhere
