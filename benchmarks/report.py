@@ -41,11 +41,23 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+def _committed_at(name: str) -> str | None:
+    """The short hash of the last commit that changed ``benchmarks/results/NAME``."""
+    import subprocess
+
+    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", f"benchmarks/results/{name}"], cwd=ROOT,
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
 def source(name: str, data: dict | None = None) -> str:
-    """``` `NAME` (commit abc1234) ``` for a JSON, or ``(commit not recorded)``."""
+    """``` `NAME` (commit abc1234) ``` for a JSON that records its commit; one that does not is
+    labelled stale with the commit that added it: ``(stale: no commit recorded; added at abc1234)``."""
     data = load(name) if data is None else data
     commit = data.get("commit")
-    return f"`{name}` ({'commit ' + commit[:7] if commit else 'commit not recorded'})"
+    if commit:
+        return f"`{name}` (commit {commit[:7]})"
+    return f"`{name}` (stale: no commit recorded; added at {_committed_at(name) or 'an unknown commit'})"
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
