@@ -152,7 +152,33 @@ def frozenlake_weak() -> str:
                        "FrozenLake warm_start.steps=100 rollout.k=2 rollout.alpha=0.08, 3 seeds, equal tokens per step")
 
 
+def serve() -> str:
+    """Generated tok/s of the server on SmolLM2-135M at each concurrency, cache on and off, beside
+    transformers ``generate`` (``benchmarks.serve``)."""
+    data = load("serve_cpu.json")
+    server = next(s for s in data["server"] if s["model"] == "smollm2-135m")
+    levels = {(lv["concurrency"], lv["prefix_cache"]): lv for lv in server["levels"]}
+    cs = sorted({c for c, _ in levels})
+    hf = {b["batch"]: b["tokens_per_s"] for b in data["transformers"]["batches"]}
+    ratio = {(r["batch"], r["prefix_cache"]): r["ratio"] for r in data["comparison"]}
+
+    def row(label, cell):
+        return f"| {label} | " + " | ".join(cell(c) for c in cs) + " |"
+
+    def tps(cache):
+        return lambda c: f"{levels[c, cache]['tokens_per_s']:.1f}" if (c, cache) in levels else ""
+
+    lines = ["| generated tok/s | " + " | ".join(map(str, cs)) + " |", "|---" * (len(cs) + 1) + "|",
+             row("ours, concurrency (prefix cache on)", tps(True)), row("ours, cache off", tps(False)),
+             row("transformers `generate` (float32, eager), batch", lambda c: f"{hf[c]:.1f}" if c in hf else ""),
+             row("ours / transformers (cache on; off)",
+                 lambda c: f"{ratio[c, True]:.2f}x; {ratio[c, False]:.2f}x" if (c, True) in ratio else ""),
+             row("ours, p50 latency (s)", lambda c: f"{levels[c, True]['latency_median_s']:.2f}")]
+    return "\n".join(lines) + f"\n\nFrom {source('serve_cpu.json', data)}."
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "serve": serve,
     "headline": headline, "sokoban": sokoban, "chaos": chaos,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
 }
