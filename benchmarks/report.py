@@ -141,6 +141,36 @@ def _frozenlake(folder: str, title: str) -> str:
     return table(summarize(data["runs"]), title) + f"\n\nFrom {source(folder + '/results.json', data)}."
 
 
+def _credit(folder: str, regime: str) -> str:
+    """The tree-credit comparison at equal sampled tokens (issue 36): the table, then each arm paired
+    by seed with flat GRPO on the final held-out success and on the gain over step 0."""
+    from benchmarks.frozenlake import summarize, table
+    from benchmarks.paired import format_comparison
+
+    data = load(f"{folder}/results.json")
+    runs = data["runs"]
+    seeds = max(len(r) for r in runs.values())
+    title = (f"FrozenLake {regime}, up to {seeds} seeds, equal sampled tokens "
+             f"({data['token_budget']:,} a run)")
+    lines = [table(summarize(runs), title), "",
+             "Paired by seed with flat GRPO on the final held-out success, in points (mean difference, "
+             "95% t CI, sample std of the differences, Wilcoxon signed-rank p; a seed's arms share its "
+             "warm start, so the paired gains over step 0 are the same numbers):", ""]
+    for arm, c in data["paired_vs_grpo"].items():
+        lines.append(f"- {format_comparison(arm, c['final_success'])}")
+    return "\n".join(lines) + f"\n\nFrom {source(folder + '/results.json', data)}."
+
+
+def credit_default() -> str:
+    """Issue 36's comparison in the default regime."""
+    return _credit("frozenlake_credit_cpu", "default")
+
+
+def credit_weak() -> str:
+    """Issue 36's comparison in the weak regime (weak warm start, k = 2, alpha = 0.08)."""
+    return _credit("frozenlake_credit_weak_cpu", "warm_start.steps=100 rollout.k=2 rollout.alpha=0.08")
+
+
 def frozenlake_default() -> str:
     """The older protocol's default-regime table (equal tokens per step)."""
     return _frozenlake("frozenlake_cpu", "FrozenLake default, 3 seeds, equal tokens per step")
@@ -293,7 +323,7 @@ def recipe_history() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
     "proxy-tools": proxy_tools, "gae-break-even": gae_break_even, "async-rl": async_rl,
-    "recipe-history": recipe_history,
+    "recipe-history": recipe_history, "credit-default": credit_default, "credit-weak": credit_weak,
     "headline": headline, "sokoban": sokoban, "chaos": chaos,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
 }
