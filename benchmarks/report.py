@@ -292,6 +292,38 @@ def async_rl() -> str:
     return "\n".join(lines) + f"\n\nFrom {source('async_rl_cpu.json', data)}."
 
 
+def fuzz() -> str:
+    """schemathesis against the served OpenAPI document (``benchmarks.fuzz_server``)."""
+    name = "fuzz_server_cpu.json"
+    data = load(name)
+    st = data["statuses"]
+    codes = sorted(st, key=int)
+    lines = ["| operations | cases | " + " | ".join(f"{c} answers" for c in codes) + " | 5xx | off the document |",
+             "|---" * (len(codes) + 4) + "|",
+             f"| {len(data['operations'])} | {data['cases']:,} | " + " | ".join(f"{st[c]:,}" for c in codes)
+             + f" | {data['server_errors']} | {len(data['failures'])} |"]
+    return "\n".join(lines) + f"\n\nSeed {data['seed']}. From {source(name, data)}."
+
+
+def kill_and_damage() -> str:
+    """SIGKILLs and damaged checkpoints against uninterrupted runs (``benchmarks.kill_and_damage``)."""
+    lines = ["| campaign file | settings | damage kinds | SIGKILLs (mid-save) | steps lost / duplicated "
+             "| rows equal to the reference | parameters vs the reference |", "|---|---|---|---|---|---|---|"]
+    notes = []
+    for name, what in [("kill_and_damage_cpu.json", "8 rows a step"), ("kill_and_damage_cpu_wide.json", "64 rows a step"),
+                       ("kill_and_damage_cpu_engine.json", "8 rows a step, the continuous-batching engine")]:
+        data = load(name)
+        sm, cfg = data["summary"], data["config"]
+        strategy = next((o.split("=", 1)[1] for o in reversed(cfg["overrides"]) if o.startswith("rollout.strategy=")), "?")
+        kinds = ", ".join(c.get("damage", "?") for c in data["campaigns"])
+        params = "bitwise equal" if sm["max_param_diff_vs_reference"] == 0 else f"max diff {sm['max_param_diff_vs_reference']:.1e}"
+        lines.append(f"| `{name}` | {strategy}, {what}, {cfg['steps']} steps | {kinds} | {sm['sigkills']} "
+                     f"({sm['sigkills_mid_save']}) | {sm['lost_steps']} / {sm['duplicated_steps']} | "
+                     f"{sm['data_rows_equal_to_reference']} | {params} |")
+        notes.append(source(name, data))
+    return "\n".join(lines) + "\n\nFrom " + ", ".join(notes) + "."
+
+
 RECIPE_HISTORY = [  # (variant in recipe_cpu.json, what it was, what it showed): the prose is ours, the numbers the JSON's
     ("before", "before: 8 tasks/step, lr 3e-4, warmup 8 updates, 200 SFT steps",
      "seed 0: approx KL 0.09 at step 3, invalid answers 100% at step 4"),
@@ -323,7 +355,7 @@ def recipe_history() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
     "proxy-tools": proxy_tools, "gae-break-even": gae_break_even, "async-rl": async_rl,
-    "recipe-history": recipe_history, "credit-default": credit_default, "credit-weak": credit_weak,
+    "recipe-history": recipe_history, "fuzz": fuzz, "kill-and-damage": kill_and_damage, "credit-default": credit_default, "credit-weak": credit_weak,
     "headline": headline, "sokoban": sokoban, "chaos": chaos,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
 }
