@@ -366,7 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + md)
     from benchmarks.provenance import provenance
 
-    (out / "results.json").write_text(json.dumps({**provenance(), "budget": args.budget, "token_budget": budget,
+    now = provenance()
+    keys = ("commit", "dirty", "command", "machine", "date")
+    # each arm's own provenance: a kept arm keeps the one it was run under (its JSON's, or the arm's
+    # entry there when that JSON had merged arms itself)
+    arm_provenance = {v: ((earlier.get("arm_provenance") or {}).get(v) or {k: earlier.get(k) for k in keys})
+                      if v in args.keep else {k: now[k] for k in keys} for v in results}
+    (out / "results.json").write_text(json.dumps({**now, "arm_provenance": arm_provenance,
+                                                  "budget": args.budget, "token_budget": budget,
                                                   "token_fractions": list(TOKEN_FRACTIONS) if budget else None,
                                                   "pilot_tokens_per_task": pilots,
                                                   "tasks_per_step": tasks, "overrides": args.overrides,

@@ -39,3 +39,29 @@ def test_frozenlake_pairs_runs_by_seed_and_reports_the_sample_std():
     assert c["final_success"]["mean_diff"] == pytest.approx(15.0)  # seed 0: +20, seed 2: +10 points
     assert c["gain"]["n"] == 2 and c["gain"]["mean_diff"] == pytest.approx(15.0)
     assert _ms([1.0, 2.0, 3.0, None]) == pytest.approx((2.0, 1.0)) and _ms([4.0]) == (4.0, 0.0)
+
+
+def test_kept_arms_keep_their_own_provenance(tmp_path):
+    import json
+
+    from benchmarks.frozenlake import main
+
+    def run(seed, last):
+        return {"seed": seed, "steps": [0, 30], "sampled_tokens": [0, 100], "success": [0.4, last],
+                "pass_at_4": [0.5, 0.6], "greedy": [0.4, 0.5], "response_tokens": [4.0, 4.0], "turns": [5.0, 5.0],
+                "tokens_per_step": 100.0, "trajectories_per_step": 8.0, "actions_per_step": 40.0,
+                "groups_with_success": 0.5, "mixed_groups": 0.5, "expanded_per_step": 0.0, "pruned_per_step": 0.0,
+                "checkpoints_per_step": 0.0, "dynamic_dropped_per_step": 0.0, "wall_s": 1.0}
+
+    old = {"commit": "a" * 40, "dirty": False, "command": "python -m benchmarks.frozenlake --old", "machine": {},
+           "date": "2026-12-01T00:00:00+00:00", "pilot_tokens_per_task": {"grpo": 100.0, "patr": 90.0},
+           "arm_provenance": {"patr": {"commit": "b" * 40, "command": "the patr run"}},
+           "runs": {"grpo": [run(0, 0.6), run(1, 0.7)], "patr": [run(0, 0.5), run(1, 0.8)]}}
+    (tmp_path / "results.json").write_text(json.dumps(old))
+    assert main(["--budget", "tokens", "--variants", "grpo", "patr", "--keep", "grpo", "patr",
+                 "--out", str(tmp_path)]) == 0  # nothing runs: every arm is kept
+    new = json.loads((tmp_path / "results.json").read_text())
+    assert new["arm_provenance"]["grpo"]["commit"] == "a" * 40  # the old JSON's own
+    assert new["arm_provenance"]["patr"] == {"commit": "b" * 40, "command": "the patr run"}  # merged before
+    assert len(new["commit"]) == 40 and new["paired_vs_grpo"]["patr"]["seeds"] == [0, 1]
+    assert (tmp_path / "table.md").is_file() and (tmp_path / "success.png").is_file()
