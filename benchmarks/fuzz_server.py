@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", type=int, default=3000, help="cases to generate (all operations together)")
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--url", default=None, help="fuzz a running server instead of starting the tiny one")
-    p.add_argument("--json", default="benchmarks/results/fuzz_server.json", help="where to write the report")
+    p.add_argument("--json", default="benchmarks/results/fuzz_server_cpu.json", help="where to write the report")
     args = p.parse_args(argv)
     handle = None
     url = args.url

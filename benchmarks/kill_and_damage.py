@@ -9,7 +9,7 @@ directory). Uninterrupted reference runs of the same config give the yardstick f
 reproduces: the data of every train row (rewards, successes, tokens, ...) and the final parameters
 (max |difference| of the exported policy). Two reference runs also show how much two uninterrupted
 runs differ from each other. Prints a table and writes JSON (with the machine's load average) to
-``benchmarks/results/kill_and_damage.json``.
+``benchmarks/results/kill_and_damage_cpu.json``.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per process")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kill_and_damage.json"))
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kill_and_damage_cpu.json"))
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     config = [*CONFIG, f"rollout.strategy={args.strategy}", *args.set]

@@ -45,8 +45,9 @@ def _committed_at(name: str) -> str | None:
     """The short hash of the last commit that changed ``benchmarks/results/NAME``."""
     import subprocess
 
-    out = subprocess.run(["git", "log", "-1", "--format=%h", "--", f"benchmarks/results/{name}"], cwd=ROOT,
-                         capture_output=True, text=True)
+    # the last commit that added or changed its content (a rename is not a measurement)
+    out = subprocess.run(["git", "log", "--follow", "--diff-filter=AM", "-1", "--format=%h", "--",
+                          f"benchmarks/results/{name}"], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() or None
 
 
@@ -84,20 +85,20 @@ def headline() -> str:
     gains = _gains(recipe["variants"]["default_stop27"])
     rows.append(("FrozenLake 4x4, the default recipe (tiny policy, PaTR, 30 steps): held-out success gain, "
                  f"{len(gains)} seeds", _gain_text(gains), source("recipe_cpu.json", recipe)))
-    sok = load("sokoban_cpu.json")
+    sok = load("recipe_cpu_sokoban.json")
     gains = _gains(sok["variants"]["default"])
     rows.append((f"Sokoban 5x5, `configs/sokoban.yaml`: held-out success gain, {len(gains)} seeds",
-                 _gain_text(gains), source("sokoban_cpu.json", sok)))
+                 _gain_text(gains), source("recipe_cpu_sokoban.json", sok)))
     ll = load("learner_llm_cpu.json")
     ratios = {(r["mode"], r["rows"]): r["speed_ratio"] for r in ll["ratios"]}
     text = ", ".join(f"{m} {n} rows {ratios[(m, n)]:.2f}x" for m, n in sorted(ratios))
     rows.append(("Learner step on SmolLM2-135M, tokens/s against PyTorch (eager + SDPA, peft LoRA)", text,
                  source("learner_llm_cpu.json", ll)))
-    sv = load("serve_llamacpp_cpu.json")
+    sv = load("serve_cpu_llamacpp.json")
     ours = sv["server"][0]["levels"][0]["tokens_per_s"]
     theirs = sv["llamacpp"]["levels"][0]["tokens_per_s"]
     rows.append(("Serving SmolLM2-135M, one stream: jaxprm (float32) against llama.cpp (Q4_1)",
-                 f"{ours:.1f} against {theirs:.1f} tok/s ({ours / theirs:.2f}x)", source("serve_llamacpp_cpu.json", sv)))
+                 f"{ours:.1f} against {theirs:.1f} tok/s ({ours / theirs:.2f}x)", source("serve_cpu_llamacpp.json", sv)))
     pr = load("proxy_rollout_time_cpu.json")
     r = pr["summary"]["rollout_time_ratio"]
     rows.append(("An OpenAI-SDK agent through the recording proxy against the tree path, same samples: "
@@ -122,8 +123,8 @@ def sokoban() -> str:
     """The Sokoban recipe's table over its eval steps (``benchmarks.recipe.markdown_table``)."""
     from benchmarks.recipe import markdown_table
 
-    data = load("sokoban_cpu.json")
-    return markdown_table(data["variants"]["default"]) + f"\n\nFrom {source('sokoban_cpu.json', data)}."
+    data = load("recipe_cpu_sokoban.json")
+    return markdown_table(data["variants"]["default"]) + f"\n\nFrom {source('recipe_cpu_sokoban.json', data)}."
 
 
 def chaos() -> str:
@@ -163,12 +164,12 @@ def _credit(folder: str, regime: str) -> str:
 
 def credit_default() -> str:
     """Issue 36's comparison in the default regime."""
-    return _credit("frozenlake_credit_cpu", "default")
+    return _credit("frozenlake_cpu_credit", "default")
 
 
 def credit_weak() -> str:
     """Issue 36's comparison in the weak regime (weak warm start, k = 2, alpha = 0.08)."""
-    return _credit("frozenlake_credit_weak_cpu", "warm_start.steps=100 rollout.k=2 rollout.alpha=0.08")
+    return _credit("frozenlake_cpu_credit_weak", "warm_start.steps=100 rollout.k=2 rollout.alpha=0.08")
 
 
 def frozenlake_default() -> str:
@@ -178,7 +179,7 @@ def frozenlake_default() -> str:
 
 def frozenlake_weak() -> str:
     """The older protocol's weak-regime table."""
-    return _frozenlake("frozenlake_weak_cpu",
+    return _frozenlake("frozenlake_cpu_weak",
                        "FrozenLake warm_start.steps=100 rollout.k=2 rollout.alpha=0.08, 3 seeds, equal tokens per step")
 
 
@@ -252,13 +253,13 @@ def serve_warmup() -> str:
 
 def proxy_tools() -> str:
     """The proxy's overhead per turn, chat and tool-calling turns (``benchmarks.proxy --kinds chat tools``)."""
-    data = load("proxy_tools_cpu.json")
+    data = load("proxy_cpu_tools.json")
     lines = ["| kind, agents | overhead p50 | paired p50 | proxy's own p50 / p99 | proxy CPU |", "|---|---|---|---|---|"]
     for r in data["rows"]:
         who = f"{r['kind']}, {r['agents']}" + (f" ({r['gen_ms']:.0f} ms upstream)" if r["gen_ms"] else "")
         lines.append(f"| {who} | {r['overhead_p50_ms']:.2f} | {r['paired_p50_ms']:.2f} | {r['own_p50_ms']:.2f} / "
                      f"{r['own_p99_ms']:.2f} | {r['cpu_ms_per_turn']:.2f} |")
-    return "\n".join(lines) + f"\n\nms per turn. From {source('proxy_tools_cpu.json', data)}."
+    return "\n".join(lines) + f"\n\nms per turn. From {source('proxy_cpu_tools.json', data)}."
 
 
 def gae_break_even() -> str:
@@ -402,7 +403,7 @@ def figures() -> list[Path]:
     (DOCS / "img").mkdir(exist_ok=True)
     for folder, name, title in [
             ("frozenlake_cpu", "frozenlake_default.png", "FrozenLake default, 3 seeds, equal tokens per step"),
-            ("frozenlake_weak_cpu", "frozenlake_weak.png",
+            ("frozenlake_cpu_weak", "frozenlake_weak.png",
              "FrozenLake weak warm start, k=2, alpha=0.08, 3 seeds, equal tokens per step")]:
         data = load(f"{folder}/results.json")
         path = DOCS / "img" / name

@@ -1,7 +1,7 @@
 """How long one heavy request makes others wait (issue 19, item 3), on ``python -m jaxprm.serve
 --model tiny`` started as a subprocess on a free loopback port.
 
-    python -m benchmarks.serve_limits [--json benchmarks/results/serve_limits.json] [--repeats 2]
+    python -m benchmarks.serve_limits [--json benchmarks/results/serve_limits_cpu.json] [--repeats 2]
 
 1. ``/health`` latency (p50, max) while a 3.9 MB text prompt is tokenized (it is then refused: too
    long for the context), against ``/health`` alone.
@@ -100,7 +100,7 @@ def _small_behind(url: str, rows: int, max_tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_limits", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default="benchmarks/results/serve_limits.json")
+    p.add_argument("--json", default="benchmarks/results/serve_limits_cpu.json")
     p.add_argument("--repeats", type=int, default=3, help="rounds (round 0 includes the first compiles)")
     args = p.parse_args(argv)
     load0 = os.getloadavg()
