@@ -25,9 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 120.0, log: Path | None = None) -> None:
-    """Poll ``url + "/health"`` until it answers 200. Raises ``RuntimeError`` if ``proc`` exits
-    first, or (after killing it) if ``timeout`` seconds pass; both name ``log`` when given."""
+def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 120.0, log: Path | None = None,
+                 path: str = "/health") -> None:
+    """Poll ``url + path`` until it answers 200. Raises ``RuntimeError`` if ``proc`` exits first, or
+    (after killing it) if ``timeout`` seconds pass; both name ``log`` when given."""
     import httpx
 
     where = f"; see {log}" if log else ""
@@ -36,13 +37,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, *, timeout: float = 120.0, lo
         if proc.poll() is not None:
             raise RuntimeError(f"the server for {url} exited with {proc.returncode}{where}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"{url} did not answer /health within {timeout:.0f} s{where}")
+    raise RuntimeError(f"{url} did not answer {path} within {timeout:.0f} s{where}")
 
 
 def start_scripted_upstream(policy: str, *args: str, env: dict[str, str] | None = None,

@@ -53,7 +53,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import httpx  # noqa: E402
 import jax  # noqa: E402
 
-from benchmarks._harness import loadavg  # noqa: E402
+from benchmarks._harness import free_port, loadavg, wait_healthy  # noqa: E402
 from benchmarks.provenance import provenance  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
@@ -404,35 +404,23 @@ def bench_llamacpp(*, concurrency, per_client: int, max_tokens: int, threads: in
     """llama-cpp-python's OpenAI server on SmolLM2's GGUF (the file our engine loads), ``threads``
     threads, the same prompts and clients as the server levels (greedy, ``max_tokens``); it serves
     requests one after another."""
-    import socket
-
     from jaxprm.models.loading import smollm2_gguf_path
 
     version = find_or_build_llamacpp()
     _, tok = load_model("smollm2-135m")
     prompt = _prompt_text(tok)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf_path()), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_ctx", "2048", "--model_alias", "smollm2-135m"]
     log = tempfile.TemporaryFile("w+")  # llama.cpp logs a lot: a pipe nobody reads would block it
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"llama.cpp server exited: {log.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("llama.cpp server did not start in 300 s")
-            time.sleep(1)
+        try:
+            wait_healthy(url, proc, timeout=300, path="/v1/models")
+        except RuntimeError as e:
+            log.seek(0)
+            raise RuntimeError(f"llama.cpp server: {e}: {log.read()[-2000:]}") from None
         levels = []
         for c in concurrency:
             _run_level_in_child(url, "smollm2-135m", prompt, c, 1, max_tokens, f"llwarm-{c}")
