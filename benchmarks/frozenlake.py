@@ -60,13 +60,13 @@ VARIANTS = {
     "dapo": "configs/dapo.yaml",
     "arpo": "configs/arpo.yaml",
     "tree_random": "configs/tree_random.yaml",
-    "patr": "configs/default.yaml",
+    "patr": "configs/patr.yaml",
     "patr_paper": "configs/patr_paper.yaml",
     # the tree-credit rows (advantage.estimator; jaxprm.learner.tree_credit)
     "grpo_anchor": "configs/flat_grpo.yaml",
-    "patr_tree_value": "configs/default.yaml",
-    "patr_sibling": "configs/default.yaml",
-    "patr_anchor": "configs/default.yaml",
+    "patr_tree_value": "configs/patr.yaml",
+    "patr_sibling": "configs/patr.yaml",
+    "patr_anchor": "configs/patr.yaml",
 }
 #: what a variant adds to its config
 VARIANT_OVERRIDES = {
