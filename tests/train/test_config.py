@@ -136,7 +136,7 @@ def test_file_then_overrides(tmp_path):
                                                                        "frozenlake states, but env.name is sokoban"),
         (["env.name=sokoban", "env.size=5", "rollout.strategy=flat", "prm.enabled=true", "rollout.export=concat",
           "prm.scorers=[{path: scorers.FrozenLakeProgressScorer}]"], "prm.scorers[0].path: scorers.FrozenLakeProgressScorer"),
-        (["rollout.source=agent", "rollout.strategy=flat", "agent.workflow=rollout.agents.grid_chat:run",
+        (["rollout.source=agent", "rollout.strategy=flat", "advantage.estimator=leaf_grpo", "agent.workflow=rollout.agents.grid_chat:run",
           "agent.kwargs={env: sokoban}"], "agent.workflow: rollout.agents.grid_chat:run plays sokoban, but env.name is frozenlake"),
         (["token_budget=0"], "token_budget: must be > 0"),
         (["eval.token_fractions=[0.5]"], "eval.token_fractions: needs token_budget"),
