@@ -60,16 +60,18 @@ VARIANTS = {
     "dapo": "configs/dapo.yaml",
     "arpo": "configs/arpo.yaml",
     "tree_random": "configs/tree_random.yaml",
-    "patr": "configs/default.yaml",
+    "patr": "configs/patr.yaml",
     "patr_paper": "configs/patr_paper.yaml",
     # the tree-credit rows (advantage.estimator; jaxprm.learner.tree_credit)
     "grpo_anchor": "configs/flat_grpo.yaml",
-    "patr_tree_value": "configs/default.yaml",
-    "patr_sibling": "configs/default.yaml",
-    "patr_anchor": "configs/default.yaml",
+    "patr_tree_value": "configs/patr.yaml",
+    "patr_sibling": "configs/patr.yaml",
+    "patr_anchor": "configs/patr.yaml",
 }
-#: what a variant adds to its config
+#: what a variant adds to its config (the paper's arms are GRPO on leaves whatever the trainer's
+#: default estimator)
 VARIANT_OVERRIDES = {
+    **{v: ["advantage.estimator=leaf_grpo"] for v in ("grpo", "dapo", "arpo", "tree_random", "patr", "patr_paper")},
     "grpo_anchor": ["advantage.estimator=anchor_state"],
     "patr_tree_value": ["advantage.estimator=tree_value"],
     "patr_sibling": ["advantage.estimator=sibling"],
@@ -138,7 +140,8 @@ def anchor_budget(out: Path, steps: int | None, extra: list[str]) -> int:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         _train(VARIANTS["grpo"], run_dir, ["seed=0", "env.seed=0", "eval.at_start=false", "eval.num_tasks=1",
                                            "eval.samples=1", "eval.greedy=false", f"rollout.tasks_per_step={BASE_TASKS}",
-                                           *([f"steps={steps}"] if steps is not None else []), *extra],
+                                           *([f"steps={steps}"] if steps is not None else []),
+                                           *VARIANT_OVERRIDES["grpo"], *extra],
                run_dir.parent / "grpo.log")
     return int(sum(r["generated_tokens"] for r in _rows(run_dir) if r["kind"] == "train"))
 

@@ -137,7 +137,7 @@ class TreeParams:
       arpo: :class:`ARPOParams`.
     """
 
-    strategy: Literal[STRATEGIES] = "patr"
+    strategy: Literal[STRATEGIES] = "flat"  # the best measured (docs/results.md, issue 36)
     group_size: int = 8
     b0: int = 4
     k: int = 5

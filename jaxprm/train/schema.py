@@ -9,7 +9,7 @@ import math
 from typing import Any, Literal
 
 from jaxprm.fields import FieldError, require
-from jaxprm.learner.advantages import AdvantageParams
+from jaxprm.learner.advantages import ESTIMATORS, AdvantageParams
 from jaxprm.models.lora import LoraConfig
 from jaxprm.modes import BEHAVIOUR_WEIGHT_MODES, LOSS_AGGREGATIONS
 from jaxprm.serve.serving import ServeConfig
@@ -317,10 +317,14 @@ class PRMSection(PRMConfig):
 class AdvantageSection(AdvantageParams):
     """Reward processing and advantages: :class:`jaxprm.learner.AdvantageParams`, declared,
     defaulted and validated there (the shaping mode and its numbers come from
-    ``prm.advantage_shaping``). One default differs, on purpose: the trainer's groups are GRPO
-    groups, so their outcome rewards are normalized within the group."""
+    ``prm.advantage_shaping``). Two defaults differ, on purpose: the trainer's groups are GRPO
+    groups, so their outcome rewards are normalized within the group; and the trainer's estimator
+    is ``anchor_state`` (GiGPO's step groups over identical states, which flat groups have too), the
+    best measured at equal tokens (docs/results.md; the agent path, whose rows carry no turn
+    states, sets ``leaf_grpo``)."""
 
     group_reward_norm: bool = True
+    estimator: Literal[ESTIMATORS] = "anchor_state"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

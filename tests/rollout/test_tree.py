@@ -483,19 +483,19 @@ def test_config_validation():
     with pytest.raises(FieldError, match="strategy"):
         TreeConfig(strategy="beam")
     with pytest.raises(FieldError, match="keep"):
-        TreeConfig(keep="best")
+        TreeConfig(strategy="patr", keep="best")
     with pytest.raises(FieldError, match="max_branches"):
-        TreeConfig(b0=4, max_branches=3)
+        TreeConfig(strategy="patr", b0=4, max_branches=3)
     with pytest.raises(FieldError, match="max_branches"):
-        TreeConfig(b0=9)  # the default budget is group_size (8)
+        TreeConfig(strategy="patr", b0=9)  # the default budget is group_size (8)
     with pytest.raises(FieldError, match="theta"):
         TreeConfig(theta=1)
     with pytest.raises(FieldError, match="^m: ") as info:
         TreeConfig(strategy="patr", m=1)
     assert info.value.owner is TreeConfig and info.value.field == "m"
     assert TreeConfig(strategy="flat", group_size=5).target_size == 5
-    assert TreeConfig(max_branches=8).target_size == 8
-    assert TreeConfig(group_size=6, b0=2).target_size == 6  # max_branches unset: the budget is group_size
+    assert TreeConfig(strategy="patr", max_branches=8).target_size == 8
+    assert TreeConfig(strategy="patr", group_size=6, b0=2).target_size == 6  # max_branches unset: the budget is group_size
     for bad, match in [(dict(theta_at="interval"), "theta_at"), (dict(strategy="arpo", b0=4, max_branches=3), "max_branches")]:
         with pytest.raises(FieldError, match=match):
             TreeConfig(**bad)

@@ -36,7 +36,7 @@ def test_agent_config_rules():
         load_config(AGENT, ["agent.discount=1.5"])
     with pytest.raises(ConfigError, match=r"rollout.source: got 'proxy'; allowed values: 'tree', 'agent'"):
         load_config(None, ["rollout.source=proxy"])
-    assert load_config(None, ["rollout.source=agent", "rollout.strategy=flat"]).agent.timeout_s > 0
+    assert load_config(None, ["rollout.source=agent", "rollout.strategy=flat", "advantage.estimator=leaf_grpo"]).agent.timeout_s > 0
 
 
 def test_a_missing_workflow_is_a_clear_error(tmp_path):

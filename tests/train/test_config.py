@@ -18,7 +18,7 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 def test_defaults_load_and_roundtrip(tmp_path):
     cfg = load_config()
     assert isinstance(cfg, TrainConfig)
-    assert cfg.model.name == "tiny" and cfg.rollout.strategy == "patr" and not cfg.prm.active
+    assert cfg.model.name == "tiny" and cfg.rollout.strategy == "flat" and not cfg.prm.active
     f = tmp_path / "c.yaml"
     f.write_text(dump_yaml(cfg))
     again = load_config(f)
@@ -111,7 +111,7 @@ def test_file_then_overrides(tmp_path):
         (["rollout.alpha=-1"], "rollout.alpha: must be >= 0, got -1"),
         (["rollout.strategy=patr", "rollout.m=1"], "rollout.m: an expansion needs at least 2 children"),
         (["rollout.theta=1"], "rollout.theta: must be >= 2 or null"),
-        (["rollout.b0=9"], "rollout.max_branches: the branch budget (8) must be >= b0 (9)"),
+        (["rollout.strategy=patr", "rollout.b0=9"], "rollout.max_branches: the branch budget (8) must be >= b0 (9)"),
         (["rollout.arpo.beam_size=1"], "rollout.arpo.beam_size: must be >= 2"),
         (["rollout.arpo.top_logprobs=21"], "rollout.arpo.top_logprobs: must be in [1, 20]"),
         (["rollout.keep=best"], "rollout.keep: got 'best'; allowed values: 'keep_all', 'best_n'"),
@@ -132,11 +132,11 @@ def test_file_then_overrides(tmp_path):
         (["env.name=soko"], "env.name: got 'soko'; allowed values: 'frozenlake', 'sokoban'"),
         (["env.name=sokoban"], "env.size: a Sokoban room is 5 to 10 cells a side, got 4"),
         (["env.name=sokoban", "env.size=5", "env.boxes=4"], "env.boxes: must be in [1, 3]"),
-        (["env.name=sokoban", "env.size=5"], "rollout.branch_scorer.path: scorers.FrozenLakeProgressScorer reads "
-                                             "frozenlake states, but env.name is sokoban"),
+        (["env.name=sokoban", "env.size=5", "rollout.strategy=patr"], "rollout.branch_scorer.path: scorers.FrozenLakeProgressScorer reads "
+                                                                       "frozenlake states, but env.name is sokoban"),
         (["env.name=sokoban", "env.size=5", "rollout.strategy=flat", "prm.enabled=true", "rollout.export=concat",
           "prm.scorers=[{path: scorers.FrozenLakeProgressScorer}]"], "prm.scorers[0].path: scorers.FrozenLakeProgressScorer"),
-        (["rollout.source=agent", "rollout.strategy=flat", "agent.workflow=rollout.agents.grid_chat:run",
+        (["rollout.source=agent", "rollout.strategy=flat", "advantage.estimator=leaf_grpo", "agent.workflow=rollout.agents.grid_chat:run",
           "agent.kwargs={env: sokoban}"], "agent.workflow: rollout.agents.grid_chat:run plays sokoban, but env.name is frozenlake"),
         (["token_budget=0"], "token_budget: must be > 0"),
         (["eval.token_fractions=[0.5]"], "eval.token_fractions: needs token_budget"),

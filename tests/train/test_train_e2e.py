@@ -32,7 +32,7 @@ def _env():
 
 def test_smoke_run_writes_every_output(tmp_path):
     run = tmp_path / "run"
-    args = [*TINY, "steps=2", "eval.every_steps=2", "checkpoint.every_steps=1", "checkpoint.keep=1",
+    args = [*TINY, "rollout.strategy=patr", "steps=2", "eval.every_steps=2", "checkpoint.every_steps=1", "checkpoint.keep=1",
             f"run_dir={run}", f"warm_start.cache_dir={tmp_path / 'cache'}"]
     out = subprocess.run([sys.executable, "-m", "jaxprm.train", *args], capture_output=True, text=True,
                          cwd=ROOT, env=_env(), timeout=900)
