@@ -83,12 +83,24 @@ def headline() -> str:
     rows = []
     recipe = load("recipe_cpu.json")
     gains = _gains(recipe["variants"]["default_stop27"])
-    rows.append(("FrozenLake 4x4, the default recipe (tiny policy, PaTR, 30 steps): held-out success gain, "
+    rows.append(("FrozenLake 4x4, the recipe with PaTR rollouts (tiny policy, 30 steps; the default until issue 36): "
+                 "held-out success gain, "
                  f"{len(gains)} seeds", _gain_text(gains), source("recipe_cpu.json", recipe)))
     sok = load("recipe_cpu_sokoban.json")
     gains = _gains(sok["variants"]["default"])
     rows.append((f"Sokoban 5x5, `configs/sokoban.yaml`: held-out success gain, {len(gains)} seeds",
                  _gain_text(gains), source("recipe_cpu_sokoban.json", sok)))
+    pairs = []
+    for folder, regime in [("frozenlake_cpu_credit", "default"), ("frozenlake_cpu_credit_weak", "weak")]:
+        data = load(f"{folder}/results.json")
+        for arm, c in data["paired_vs_grpo"].items():
+            f = c["final_success"]
+            pairs.append(f"{arm} ({regime}) {f['mean_diff']:+.1f} [{f['ci95_low']:+.1f}, {f['ci95_high']:+.1f}]")
+    n = min(c["final_success"]["n"] for folder in ("frozenlake_cpu_credit", "frozenlake_cpu_credit_weak")
+            for c in load(f"{folder}/results.json")["paired_vs_grpo"].values())
+    rows.append((f"Tree rollouts and tree credit against flat GRPO at equal sampled tokens, FrozenLake, {n} paired "
+                 "seeds, two regimes: final held-out success, points, 95% CI", "; ".join(pairs),
+                 f"{source('frozenlake_cpu_credit/results.json')}, {source('frozenlake_cpu_credit_weak/results.json')}"))
     ll = load("learner_llm_cpu.json")
     ratios = {(r["mode"], r["rows"]): r["speed_ratio"] for r in ll["ratios"]}
     text = ", ".join(f"{m} {n} rows {ratios[(m, n)]:.2f}x" for m, n in sorted(ratios))
