@@ -226,10 +226,12 @@ def test_scorer_specs_are_resolved_and_checked_when_the_config_loads(overrides, 
 
 def test_branch_scorer_spec_is_checked_at_load_and_print_config_reports_it():
     with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: FrozenLakeProgressScorer has no argument"):
-        load_config(None, ["rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mdoe: delta}}"])
+        load_config(None, ["rollout.strategy=patr",
+                           "rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mdoe: delta}}"])
     with pytest.raises(ConfigError, match=r"rollout.branch_scorer.kwargs: scorers.FrozenLakeProgressScorer could not "
                                           r"be built: ValueError"):
-        load_config(None, ["rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mode: sideways}}"])
+        load_config(None, ["rollout.strategy=patr",
+                           "rollout.branch_scorer={path: scorers.FrozenLakeProgressScorer, kwargs: {mode: sideways}}"])
     out = subprocess.run([sys.executable, "-m", "jaxprm.train", "--print-config", "prm.enabled=true",
                           "prm.scorers=[{path: scorers.NoSuchScorer}]"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
@@ -286,7 +288,7 @@ def test_a_branch_scorer_that_cannot_be_built_stops_the_run_in_one_line(tmp_path
         load_config(ROOT / "configs/patr_prm.yaml", [*SMALL, f"run_dir={tmp_path / 'run'}"])
     # ... and a scorer that built at load but fails when the trainer builds it stops the run in one line
     fault_scorers.SEEN.clear()
-    cfg = load_config(None, [*SMALL, f"rollout.branch_scorer={{path: {FAULTS}.FailingStart}}",
+    cfg = load_config(None, [*SMALL, "rollout.strategy=patr", f"rollout.branch_scorer={{path: {FAULTS}.FailingStart}}",
                              f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(TrainError, match=rf"^rollout.branch_scorer: could not build {FAULTS}.FailingStart: ") as info:
         train(cfg)
