@@ -212,7 +212,7 @@ def frozenlake_default() -> str:
 
 def frozenlake_weak() -> str:
     """The older protocol's weak-regime table."""
-    return _frozenlake("frozenlake_cpu_weak",
+    return _frozenlake("frozenlake_weak_cpu",
                        "FrozenLake warm_start.steps=100 rollout.k=2 rollout.alpha=0.08, 3 seeds, equal tokens per step")
 
 
@@ -344,8 +344,8 @@ def kill_and_damage() -> str:
     lines = ["| campaign file | settings | damage kinds | SIGKILLs (mid-save) | steps lost / duplicated "
              "| rows equal to the reference | parameters vs the reference |", "|---|---|---|---|---|---|---|"]
     notes = []
-    for name, what in [("kill_and_damage_cpu.json", "8 rows a step"), ("kill_and_damage_cpu_wide.json", "64 rows a step"),
-                       ("kill_and_damage_cpu_engine.json", "8 rows a step, the continuous-batching engine")]:
+    for name, what in [("kill_and_damage_cpu.json", "8 rows a step"), ("kill_and_damage_wide.json", "64 rows a step"),
+                       ("kill_and_damage_engine.json", "8 rows a step, the continuous-batching engine")]:
         data = load(name)
         sm, cfg = data["summary"], data["config"]
         strategy = next((o.split("=", 1)[1] for o in reversed(cfg["overrides"]) if o.startswith("rollout.strategy=")), "?")
@@ -439,7 +439,7 @@ def figures() -> list[Path]:
             ("frozenlake_cpu_credit_weak", "credit_weak.png",
              "Tree credit at equal sampled tokens, weak warm start, k=2, alpha=0.08"),
             ("frozenlake_cpu", "frozenlake_default.png", "FrozenLake default, 3 seeds, equal tokens per step"),
-            ("frozenlake_cpu_weak", "frozenlake_weak.png",
+            ("frozenlake_weak_cpu", "frozenlake_weak.png",
              "FrozenLake weak warm start, k=2, alpha=0.08, 3 seeds, equal tokens per step")]:
         if not (RESULTS / folder / "results.json").is_file():
             continue
