@@ -27,7 +27,7 @@ samples per map), pass@4, response tokens per trajectory, turns, greedy success,
 success over the run's step-0 evaluation; then the mechanism, per training step: mixed groups (the
 share of rolled-out groups with both a success and a failure, the only ones GRPO learns from) and
 branches expanded / pruned at checkpoints. Writes ``results.json`` (every run's curve),
-``table.md``, ``summary.json`` and ``success.png`` (success over steps with seed bands) under
+``table.md``, ``summary.json`` (the table's numbers, with the provenance) and ``success.png`` (success over steps with seed bands) under
 ``--out``. Finished runs are reused (delete a run directory to redo it); an interrupted run is
 restarted; ``--keep V ...`` takes those variants' rows from ``OUT/results.json`` of an earlier run
 instead of running them. ``--jobs`` runs that many trainings at once (default: one per 2 cores),
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "variant_overrides": {v: [*VARIANT_OVERRIDES.get(v, []), *o]
                                                                         for v, o in per_variant.items()},
                                                   "paired_vs_grpo": paired, "runs": results}, indent=1))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(json.dumps({**now, "variants": summary}, indent=1))
     (out / "table.md").write_text(md + "\n")
     plot(results, out / "success.png", title, budget)
     print(f"\nwrote {out}/results.json, summary.json, table.md, success.png")

@@ -65,3 +65,5 @@ def test_kept_arms_keep_their_own_provenance(tmp_path):
     assert new["arm_provenance"]["patr"] == {"commit": "b" * 40, "command": "the patr run"}  # merged before
     assert len(new["commit"]) == 40 and new["paired_vs_grpo"]["patr"]["seeds"] == [0, 1]
     assert (tmp_path / "table.md").is_file() and (tmp_path / "success.png").is_file()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["commit"] == new["commit"] and set(summary["variants"]) == {"grpo", "patr"}
