@@ -22,6 +22,7 @@ Statistics, stated once: over seeds, ``mean ± std`` is the mean and the *sample
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -41,6 +42,7 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+@functools.cache
 def _committed_at(name: str) -> str | None:
     """The short hash of the last commit that changed ``benchmarks/results/NAME``."""
     import subprocess
@@ -90,17 +92,17 @@ def headline() -> str:
     gains = _gains(sok["variants"]["default"])
     rows.append((f"Sokoban 5x5, `configs/sokoban.yaml`: held-out success gain, {len(gains)} seeds",
                  _gain_text(gains), source("recipe_cpu_sokoban.json", sok)))
-    pairs = []
+    pairs, ns, sources = [], [], []
     for folder, regime in [("frozenlake_cpu_credit", "default"), ("frozenlake_cpu_credit_weak", "weak")]:
         data = load(f"{folder}/results.json")
+        sources.append(source(f"{folder}/results.json", data))
         for arm, c in data["paired_vs_grpo"].items():
             f = c["final_success"]
+            ns.append(f["n"])
             pairs.append(f"{arm} ({regime}) {f['mean_diff']:+.1f} [{f['ci95_low']:+.1f}, {f['ci95_high']:+.1f}]")
-    n = min(c["final_success"]["n"] for folder in ("frozenlake_cpu_credit", "frozenlake_cpu_credit_weak")
-            for c in load(f"{folder}/results.json")["paired_vs_grpo"].values())
-    rows.append((f"Tree rollouts and tree credit against flat GRPO at equal sampled tokens, FrozenLake, {n} paired "
-                 "seeds, two regimes: final held-out success, points, 95% CI", "; ".join(pairs),
-                 f"{source('frozenlake_cpu_credit/results.json')}, {source('frozenlake_cpu_credit_weak/results.json')}"))
+    rows.append((f"Tree rollouts and tree credit against flat GRPO at equal sampled tokens, FrozenLake, {min(ns)} "
+                 "paired seeds, two regimes: final held-out success, points, 95% CI", "; ".join(pairs),
+                 ", ".join(sources)))
     ll = load("learner_llm_cpu.json")
     ratios = {(r["mode"], r["rows"]): r["speed_ratio"] for r in ll["ratios"]}
     text = ", ".join(f"{m} {n} rows {ratios[(m, n)]:.2f}x" for m, n in sorted(ratios))
