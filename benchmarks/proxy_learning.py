@@ -1,10 +1,10 @@
 """Learning through the recording proxy vs the tree path's flat GRPO, at the same settings.
 
-    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--arms agent tree]
+    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--arms agent tree] [--config YAML]
                                         [--out runs/bench_proxy_learning]
                                         [--json benchmarks/results/proxy_learning_cpu.json] [key.sub=value ...]
 
-Both arms run ``configs/agent_frozenlake.yaml`` (flat GRPO groups of 8 on 4x4 FrozenLake, 8 tasks
+Both arms run ``configs/agent_frozenlake.yaml`` (``--config``; flat GRPO groups of 8 on 4x4 FrozenLake, 8 tasks
 per step, the FrozenLake progress scorer as a per-turn process reward, the same warm start, task
 stream, held-out maps and evaluator per seed); only ``rollout.source`` differs: ``agent`` (the
 OpenAI-SDK example agent through the in-process proxy) or ``tree`` (``rollout.tree`` drives the same
@@ -27,6 +27,12 @@ curves, training statistics (train success, sampled actions, generated tokens, b
 turns, failed agent groups, rollout seconds) and the load average before and after each run, and
 per seed the ratio of the arms' rollout seconds (issue 40's goal: agent <= 1.5x tree for the same
 samples; with common random numbers both arms generate the same tokens while their policies agree).
+The tool-calling agent (every move a ``move(direction)`` function call, issue 38) is the same
+benchmark over its config:
+
+    python -m benchmarks.proxy_learning --config configs/agent_frozenlake_tools.yaml --arms agent \
+        --out runs/bench_proxy_learning_tools --json benchmarks/results/proxy_learning_cpu_tools.json
+
 A rollout-time measurement need not learn long:
 
     python -m benchmarks.proxy_learning --seeds 0 --steps 10 --json PATH warm_start.steps=50 \
@@ -60,7 +66,7 @@ def _overrides(arm: str, seed: int, run_dir: Path, steps: int | None, extra: lis
     return out + ([f"steps={steps}"] if steps is not None else [])
 
 
-def _run(arm: str, seed: int, out: Path, steps: int | None, extra: list[str]) -> dict:
+def _run(arm: str, seed: int, out: Path, steps: int | None, extra: list[str], config: Path = CONFIG) -> dict:
     from jaxprm.train.rundir import read_metrics
 
     run_dir = out / f"{arm}-s{seed}"
@@ -70,7 +76,7 @@ def _run(arm: str, seed: int, out: Path, steps: int | None, extra: list[str]) ->
     if not reused:
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--config", str(CONFIG),
+        proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--config", str(config),
                                *_overrides(arm, seed, run_dir, steps, extra)], capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"{arm} seed {seed} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -176,18 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--config", type=Path, default=CONFIG, help="the trainer config both arms run (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_proxy_learning")
     p.add_argument("--json", default="benchmarks/results/proxy_learning_cpu.json")
     p.add_argument("overrides", nargs="*", help="key.sub=value for both arms")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**provenance(), "config": str(CONFIG.relative_to(ROOT)), "overrides": args.overrides,
+    config = args.config.resolve()
+    if not config.is_file():
+        p.error(f"--config {args.config}: no such file")
+    meta = {**provenance(), "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config), "overrides": args.overrides,
             "steps": args.steps, "cpus": os.cpu_count()}
     runs: list[dict] = []
     for seed in args.seeds:  # the arms of a seed back to back, so machine load affects both alike
         for arm in args.arms:
-            runs.append(_run(arm, seed, out, args.steps, args.overrides))
+            runs.append(_run(arm, seed, out, args.steps, args.overrides, config))
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({**meta, "runs": runs}, indent=1))
         if len(args.arms) == 2:
