@@ -54,13 +54,15 @@ def _committed_at(name: str) -> str | None:
 
 
 def source(name: str, data: dict | None = None) -> str:
-    """``` `NAME` (commit abc1234) ``` for a JSON that records its commit; one that does not is
-    labelled stale with the commit that added it: ``(stale: no commit recorded; added at abc1234)``."""
+    """``` `NAME` (commit abc1234) ``` for a JSON that records its commit; one whose run recorded
+    none is labelled stale with the commit that added it (its ``added_in_commit``, stamped into the
+    file, else git's answer): ``(stale: no commit recorded; added at abc1234)``."""
     data = load(name) if data is None else data
     commit = data.get("commit")
     if commit:
         return f"`{name}` (commit {commit[:7]})"
-    return f"`{name}` (stale: no commit recorded; added at {_committed_at(name) or 'an unknown commit'})"
+    added = (data.get("added_in_commit") or "")[:7] or _committed_at(name) or "an unknown commit"
+    return f"`{name}` (stale: no commit recorded; added at {added})"
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

@@ -3,6 +3,7 @@ site builds strictly (a broken link or page fails)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +26,21 @@ def test_blocks_render_indented_and_unknown_names_fail(monkeypatch):
     assert report.render(text, "t.md") == "x\n  <!-- report:t -->\n  | a |\n  |---|\n\n  after\n  <!-- /report:t -->\ny\n"
     with pytest.raises(KeyError, match="no renderer for block 'nope'"):
         report.render("<!-- report:nope -->\n<!-- /report:nope -->\n", "t.md")
+
+
+def test_every_results_json_names_its_commit():
+    """The run's own commit, or (a run that recorded none) the commit that added the file, flagged stale."""
+    from benchmarks.provenance import ROOT as root
+
+    unnamed = []
+    for path in sorted((root / "benchmarks" / "results").rglob("*.json")):
+        data = json.loads(path.read_text())
+        named = data.get("commit") or (data.get("added_in_commit") and data.get("stale"))
+        if not (isinstance(named, str) and len(data.get("commit") or data["added_in_commit"]) == 40):
+            unnamed.append(str(path.relative_to(root)))
+    assert not unnamed, f"results that name no commit: {unnamed}"
+    assert report.source("x.json", {"commit": None, "added_in_commit": "a" * 40, "stale": "..."}) == (
+        "`x.json` (stale: no commit recorded; added at aaaaaaa)")
 
 
 def test_the_home_page_is_the_readme_with_site_links():
