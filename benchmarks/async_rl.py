@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 for seed in a.external_seeds or a.seeds}
     table = _table(results)
     print(table)
-    write_result(a.json, {"steps": a.steps, "seeds": a.seeds, "cpus": os.cpu_count(), "results": results,
+    write_result(a.json, {"steps": a.steps, "seeds": a.seeds, "results": results,
                           "table": table})
     return 0
 

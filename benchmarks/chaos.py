@@ -421,10 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         out = json.loads(args.json.read_text())
         out["table"] = campaign_table(out["campaigns"])
-        args.json.write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))  # not write_result: the file keeps its run's provenance
         print(out["table"])
         return 0
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import provenance, write_result
 
     only = set(args.only or ["generation", "scorer", "agent"])
     work = args.work or Path(tempfile.mkdtemp(prefix="jaxprm-chaos-"))
@@ -446,11 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         campaigns = kept + list(fresh.values())
     table = campaign_table(campaigns)
     print(table)
-    out = {**provenance(), "benchmark": "chaos", **{k: (str(v) if isinstance(v, Path) else v)
-                                                    for k, v in vars(args).items()},
+    out = {"benchmark": "chaos", **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "load_average": os.getloadavg(), "campaigns": campaigns, "table": table}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_result(args.json, out)
     print(f"wrote {args.json} (runs and logs under {work})")
     return 0 if all(c["returncode"] == 0 and c["steps_lost"] == 0 and c["rows_duplicated"] == 0
                     for c in campaigns) else 1

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if handle is not None:
             handle.stop()
     report.update(examples=args.examples, seed=args.seed, loadavg_start=list(load_start),
-                  loadavg_end=list(os.getloadavg()), cpu_count=os.cpu_count())
+                  loadavg_end=list(os.getloadavg()))
     print(_table(report))
     for f in report["failures"][:20]:
         print("FAILURE", f)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from collections.abc import Callable
 
@@ -384,8 +383,7 @@ def run(sizes: list[tuple[int, int]], repeats: int, anchor: str | None = None,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "hlo_full_size_copies": hlo,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                    "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+        "machine": {"backend": jax.default_backend(),  # with write_result's machine facts
                     "torch": None if torch is None else torch.__version__, "torch_device": torch_device()},
         "copy_bandwidth_GBps": bw / 1e9,
         "copy_bandwidth_of": "host memory (numpy copy)" if on_cpu else "device memory (jitted x + 1)",
@@ -462,8 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.sizes = BREAK_EVEN_SIZES
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
     if args.break_even:
-        result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                              "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]},
+        result = {"machine": {"backend": jax.default_backend()},  # with write_result's machine facts
                   "loadavg_before": os.getloadavg(), "break_even": gae_break_even(sizes, args.repeats)}
         result["loadavg_after"] = os.getloadavg()
         if args.json:

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": {"steps": args.steps, "kills_per_campaign": args.kills, "seed": args.seed,
                       "overrides": config},
            "summary": summary, "campaigns": results, "wall_s": time.monotonic() - t0,
-           "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "cpu_count": os.cpu_count()}
+           "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     print("\n| damage | kills (mode@steps, mid-save) | steps 1..N | warned | data = ref | max |dparam| |")
     print("|---|---|---|---|---|---|")
     for r in results:

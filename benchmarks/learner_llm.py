@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(json.dumps(run_cell(args)), flush=True)
         return None
 
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
     from jaxprm.models import load_model, save_pretrained
 
     with tempfile.TemporaryDirectory(prefix="learner_llm_") as tmp:
@@ -288,11 +288,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     cells.append(res)
                     print(f"[learner_llm] {cell}: {res['tokens_per_s']:.0f} tokens/s, steps' peak RSS "
                           f"{res['step_peak_rss_mb']:.0f} MB, loss {res['loss']:.5f} ({res['wall_s']:.0f} s)", flush=True)
-    result = {**provenance(argv), "benchmark": "learner_llm", "model": args.model, "seq": args.seq,
+    result = {"benchmark": "learner_llm", "model": args.model, "seq": args.seq,
               "micro_rows": args.micro_rows, "rank": args.rank, "repeats": args.repeats, "remat": args.remat,
               "load_avg": os.getloadavg(), "cells": cells, "ratios": _ratios(cells)}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     print(_table(cells))
     for r in result["ratios"]:
         print(f"{r['mode']:>5} {r['rows']:>3} rows: jax/torch tokens/s {r['speed_ratio']:.2f}x "

@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None:  # the figure again, and the flatness for this --warmup
         result = json.loads(args.plot.read_text())
         result["warmup"], result["flatness"] = args.warmup, flatness(result["series"], args.warmup)
-        args.plot.write_text(json.dumps(result, indent=1))
+        args.plot.write_text(json.dumps(result, indent=1))  # not write_result: the file keeps its run's provenance
         _plot(result, args.plot.with_suffix(".png"))
         _print(result)
         return 0
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
     from jaxprm.train.rundir import read_metrics
 
     run = Path(tempfile.mkdtemp(prefix="jaxprm-long-run-")) / "run"
@@ -89,11 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "train"]
     series = [{"step": r["step"], **{k: r.get(k) for k in KEYS}} for r in rows]
-    result = {**provenance(), "benchmark": "long_run", "steps": args.steps, "warmup": args.warmup,
+    result = {"benchmark": "long_run", "steps": args.steps, "warmup": args.warmup,
               "small": args.small, "overrides": args.overrides, "run_dir": str(run),
               "flatness": flatness(series, args.warmup), "series": series}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    write_result(args.json, result)
     _plot(result, args.json.with_suffix(".png"))
     _print(result)
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import subprocess
 import sys
 import tarfile
@@ -290,13 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds:  # the anchor's proxy may predate tools: it runs the chat kind only
             trees = {"proxy": ROOT, **({"anchor": anchor_dir} if anchor_dir is not None and kind == "chat" else {})}
             rows += _run_kind(kind, trees, args, gen_ms, env, path)
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
 
-    result = {**provenance(), "benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns,
-              "anchor": args.anchor, "kinds": args.kinds, "cpus": os.cpu_count(),
-              "python": platform.python_version(), "machine": platform.machine()}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    write_result(args.json, {"benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns,
+                             "anchor": args.anchor, "kinds": args.kinds})
     print(f"wrote {args.json}")
     return 0
 

@@ -42,7 +42,6 @@ A rollout-time measurement need not learn long:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.provenance import provenance
+from benchmarks.provenance import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
@@ -192,21 +191,20 @@ def main(argv: list[str] | None = None) -> int:
     config = args.config.resolve()
     if not config.is_file():
         p.error(f"--config {args.config}: no such file")
-    meta = {**provenance(), "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config), "overrides": args.overrides,
-            "steps": args.steps, "cpus": os.cpu_count()}
+    meta = {"config_file": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
+            "overrides": args.overrides, "steps": args.steps}
     runs: list[dict] = []
     for seed in args.seeds:  # the arms of a seed back to back, so machine load affects both alike
         for arm in args.arms:
             runs.append(_run(arm, seed, out, args.steps, args.overrides, config))
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({**meta, "runs": runs}, indent=1))
+            write_result(args.json, {**meta, "runs": runs})  # after every run: an interrupted benchmark keeps them
         if len(args.arms) == 2:
             diff = check_same_settings(out / f"agent-s{seed}", out / f"tree-s{seed}")
             if diff:
                 raise SystemExit(f"seed {seed}: the arms' resolved configs differ at {diff}")
     summary = _summary(runs, args.arms)
     _print_summary(summary, runs, args.arms)
-    Path(args.json).write_text(json.dumps({**meta, "runs": runs, "summary": summary}, indent=1))
+    write_result(args.json, {**meta, "runs": runs, "summary": summary})
     print(f"wrote {args.json}")
     return 0
 

@@ -148,11 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="benchmarks/results/proxy_locust_cpu.json")
     args = p.parse_args(argv)
     result = run(args)
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
 
-    out = {**provenance(), "benchmark": "proxy_locust", **vars(args), **result}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_result(args.json, {"benchmark": "proxy_locust", **vars(args), **result})
     print(f"wrote {args.json}")
     bad = result["rows_not_matching"] or result["rejected_groups"] or result["failures"] or result["sessions_with_error"] \
         or result["rows"] != args.agents

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -142,11 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(_run(url, procs[-1].pid, args))
     finally:
         stop_all(procs)
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
 
-    out = {**provenance(), "benchmark": "proxy_soak", **vars(args), **result}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_result(args.json, {"benchmark": "proxy_soak", **vars(args), **result})
     print(f"wrote {args.json}")
     return 0
 

@@ -31,9 +31,7 @@ command and the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -44,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import write_result  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 
 # Contraction axes of each stacked weight ([L, ...]); every other axis gets its own scale.
@@ -234,10 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     speed = time_variants(model, args.repeats)
     print("greedy agreement with float32 and behaviour KL:")
     agree = agreement(model, tok, ("int8", "int4", "int4/32"), args.prompts, args.new_tokens)
-    result = {**provenance(), "model": args.model, "platform": platform.platform(),
-              "load_after": [round(x, 2) for x in os.getloadavg()], "speed": speed, "agreement": agree}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, {"model": args.model, "load_after": [round(x, 2) for x in os.getloadavg()],
+                             "speed": speed, "agreement": agree})
     print(f"wrote {args.json}")
     return 0
 

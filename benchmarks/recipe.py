@@ -183,11 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"overrides": extra, "seeds": {str(s): r for s, r in runs.items()},
                          "gain_mean": mean, "gain_std": sd, "gain_min": min(gains)}
     path = Path(args.json) if args.json else out / "results.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    from benchmarks.provenance import provenance
+    from benchmarks.provenance import write_result
 
-    path.write_text(json.dumps({**provenance(), "config": args.config, "seeds": args.seeds, "variants": results,
-                                "std": "sample"}, indent=1))
+    write_result(path, {"config_file": args.config, "seeds": args.seeds, "variants": results, "std": "sample"})
     print(f"\nwrote {path}")
     return 0
 

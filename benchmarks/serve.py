@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,10 +49,9 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import httpx  # noqa: E402
-import jax  # noqa: E402
 
 from benchmarks._harness import free_port, loadavg, wait_healthy  # noqa: E402
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import write_result  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import ServerHandle  # noqa: E402
 from jaxprm.serve.sampling import buckets_up_to  # noqa: E402
@@ -472,9 +469,7 @@ def main(argv=None) -> None:
     p.add_argument("--anchor-threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    env = dict(platform=platform.platform(), python=platform.python_version(), jax=jax.__version__,
-               devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), loadavg_start=loadavg())
-    results: dict = dict(provenance(), environment=env, server=[])
+    results: dict = dict(loadavg_start=loadavg(), server=[])  # the machine and versions: write_result's provenance
     models = [m for m in args.models.split(",") if m]
     for name in models:
         print(f"benchmarking the server on {name} ...", flush=True)
@@ -507,11 +502,10 @@ def main(argv=None) -> None:
         print("benchmarking PaTR rollouts (prefix cache on / off) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             results["patr"] = bench_patr(args.patr_rounds, Path(tmp))
-    env["loadavg_end"] = loadavg()
+    results["loadavg_end"] = loadavg()
     print_table(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        write_result(args.json, results)
         print(f"wrote {args.json}")
 
 

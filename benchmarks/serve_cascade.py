@@ -29,7 +29,6 @@ prompts).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -37,7 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import write_result  # noqa: E402
 from benchmarks._harness import loadavg  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 from jaxprm.serve import Engine  # noqa: E402
@@ -165,13 +164,12 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    res = dict(provenance(), loadavg_start=loadavg())
+    res = dict(loadavg_start=loadavg())
     print(f"cascade decode on {args.model}: {args.groups} x {args.rows} rows ...", flush=True)
     res.update(bench(args.model, args.groups, args.rows, args.prompt, args.generated, args.repeats))
     print_table(res)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_result(args.json, res)
         print(f"wrote {args.json}")
     return res
 

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._harness import loadavg  # noqa: E402
@@ -134,12 +132,11 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    env = dict(platform=platform.platform(), jax=jax.__version__, devices=[str(d) for d in jax.devices()],
-               cpu_count=os.cpu_count(), loadavg_start=loadavg())
+    load_start = loadavg()  # the machine and versions: write_result's provenance
     print(f"decode programs of {args.model} (anchor {args.anchor or 'none'}) ...", flush=True)
     res = bench(args.model, [int(b) for b in args.batches.split(",")], args.window, args.position, args.repeats,
                 args.anchor or None, [int(k) for k in args.steps.split(",") if k])
-    res.update(environment=env, anchor=args.anchor, loadavg_end=loadavg())
+    res.update(anchor=args.anchor, loadavg_start=load_start, loadavg_end=loadavg())
     print_table(res)
     if args.json:
         write_result(args.json, res)

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(30)
-    out.update(loadavg_start=list(load0), loadavg_end=list(os.getloadavg()), cpu_count=os.cpu_count())
+    out.update(loadavg_start=list(load0), loadavg_end=list(os.getloadavg()))
     print(f"{'measurement':<52} result")
     for h in out["health_during_long_prompt"]:
         print(f"{'/health during a 3.9 MB prompt (p50 / max ms)':<52} {h['health_p50_ms']} / {h['health_max_ms']}  "

@@ -34,7 +34,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import write_result  # noqa: E402
 from benchmarks._harness import loadavg  # noqa: E402
 from benchmarks.serve import _prompt_text, _run_level_in_child  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f)
         return out
-    res = dict(provenance(), model=args.model, max_tokens=args.max_tokens, concurrency=concurrency,
+    res = dict(model=args.model, max_tokens=args.max_tokens, concurrency=concurrency,
                loadavg_start=loadavg(), servers=[])
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -121,8 +121,7 @@ def main(argv=None) -> dict:
     res["loadavg_end"] = loadavg()
     print_table(res)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_result(args.json, res)
         print(f"wrote {args.json}")
     return res
 
