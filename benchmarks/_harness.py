@@ -2,7 +2,8 @@
 scripted upstream (``python -m rollout.testing``), process samples and the machine's load.
 
 Each benchmark keeps its own argparse and table; its JSON goes through
-``benchmarks.provenance.provenance()``."""
+``benchmarks.provenance.write_result``, by default to ``result_path(bench)``
+(``benchmarks/results/<bench>_<device>[_variant].json``)."""
 
 from __future__ import annotations
 

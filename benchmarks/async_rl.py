@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import free_port, wait_healthy
-from benchmarks.provenance import write_result
+from benchmarks.provenance import result_path, write_result
 from jaxprm.train.rundir import read_metrics
 
 ASYNC = ["rollout.asynchronous=true", "rollout.max_staleness=1", "ppo.decoupled=true"]
@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the seeds of the external-server runs (default: --seeds)")
     ap.add_argument("--only-external", action="store_true",
                     help="run the external-server arms only; the embedded arms' results are kept from --json")
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/async_rl_cpu.json"))
+    ap.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/async_rl_<device>.json")
     a = ap.parse_args(argv)
+    a.json = a.json or result_path("async_rl")
     a.external = a.external or a.only_external
     variants = {"sync": [], "async": ASYNC}
     results: dict[str, dict] = {}

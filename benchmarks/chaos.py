@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks._harness import free_port, wait_healthy
+from benchmarks.provenance import provenance, result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -414,17 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["generation", "scorer", "agent"], nargs="*", default=None,
                     help="run only these campaigns (the JSON keeps the other campaigns it holds)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the kill times and victims")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "chaos_cpu.json")
+    ap.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/chaos_<device>.json")
     ap.add_argument("--work", type=Path, default=None, help="where runs and logs go (default: a temp dir)")
     ap.add_argument("--table", action="store_true", help="only print the table of the existing JSON (and store it)")
     args = ap.parse_args(argv)
+    args.json = args.json or result_path("chaos")
     if args.table:
         out = json.loads(args.json.read_text())
         out["table"] = campaign_table(out["campaigns"])
         args.json.write_text(json.dumps(out, indent=1))  # not write_result: the file keeps its run's provenance
         print(out["table"])
         return 0
-    from benchmarks.provenance import provenance, write_result
 
     only = set(args.only or ["generation", "scorer", "agent"])
     work = args.work or Path(tempfile.mkdtemp(prefix="jaxprm-chaos-"))

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.provenance import write_result
+from benchmarks.provenance import result_path, write_result
 
 __all__ = ["fuzz", "main"]
 
@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--examples", type=int, default=3000, help="cases to generate (all operations together)")
     p.add_argument("--seed", type=int, default=19)
     p.add_argument("--url", default=None, help="fuzz a running server instead of starting the tiny one")
-    p.add_argument("--json", default="benchmarks/results/fuzz_server_cpu.json", help="where to write the report")
+    p.add_argument("--json", default=None, help="where to write the report (default: benchmarks/results/fuzz_server_<device>.json)")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("fuzz_server")
     handle = None
     url = args.url
     if url is None:

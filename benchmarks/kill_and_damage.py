@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.provenance import write_result
+from benchmarks.provenance import result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per process")
     p.add_argument("--workdir", default=None, help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "kill_and_damage_cpu.json"))
+    p.add_argument("--json", default=None, help="default: benchmarks/results/kill_and_damage_<device>.json")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("kill_and_damage")
     rng = random.Random(args.seed)
     config = [*CONFIG, f"rollout.strategy={args.strategy}", *args.set]
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.provenance import result_path, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 64
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -252,15 +254,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     help="activation checkpointing per decoder layer (jax: ppo.remat=block; torch: "
                          "gradient_checkpointing_enable)")
     ap.add_argument("--model", default="smollm2-135m", help="a jaxprm.models preset, HF directory or .gguf")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "learner_llm_cpu.json")
+    ap.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/learner_llm_<device>.json")
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # internal: run one cell here, print its JSON
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.json = args.json or result_path("learner_llm")
     if args.cell:
         print(json.dumps(run_cell(args)), flush=True)
         return None
 
-    from benchmarks.provenance import write_result
     from jaxprm.models import load_model, save_pretrained
 
     with tempfile.TemporaryDirectory(prefix="learner_llm_") as tmp:

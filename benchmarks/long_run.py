@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.provenance import result_path, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("rss_mb", "open_fds", "threads", "compiled_programs")
 SMALL = [
@@ -66,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--small", action="store_true", help="the tests' small settings instead of the default config")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "long_run_cpu.json")
+    ap.add_argument("--json", type=Path, default=None, help="default: benchmarks/results/long_run_<device>.json")
     ap.add_argument("--plot", type=Path, default=None, help="only draw the figure of an existing JSON")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    args.json = args.json or result_path("long_run")
     if args.plot is not None:  # the figure again, and the flatness for this --warmup
         result = json.loads(args.plot.read_text())
         result["warmup"], result["flatness"] = args.warmup, flatness(result["series"], args.warmup)
@@ -77,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         _plot(result, args.plot.with_suffix(".png"))
         _print(result)
         return 0
-    from benchmarks.provenance import write_result
     from jaxprm.train.rundir import read_metrics
 
     run = Path(tempfile.mkdtemp(prefix="jaxprm-long-run-")) / "run"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["provenance", "write_result"]
+__all__ = ["device_name", "gpu_model", "provenance", "result_path", "write_result"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +47,38 @@ def _memory_gib() -> float | None:
         return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def device_name() -> str:
+    """The ``<device>`` of a result's name, found without starting JAX (a parent that spawns servers
+    must not take the accelerator's memory): ``cpu`` when ``JAX_PLATFORMS`` is ``cpu`` or nothing
+    else is found, else the GPU model as ``nvidia-smi`` names it (``NVIDIA H200`` -> ``h200``), else
+    ``tpu`` where a TPU is attached."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return "cpu"
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        names = []
+    for name in filter(None, (n.strip() for n in names)):
+        return gpu_model(name)
+    if Path("/dev/accel0").exists() or os.environ.get("TPU_NAME"):
+        return "tpu"
+    return "cpu"
+
+
+def gpu_model(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``h100``, ``Tesla V100-SXM2-16GB`` -> ``v100``; ``gpu`` if no model."""
+    import re
+
+    model = re.search(r"\b([a-z]+\d+[a-z]*)\b", name.lower().removeprefix("nvidia "))
+    return model.group(1) if model else "gpu"
+
+
+def result_path(bench: str, variant: str | None = None) -> Path:
+    """``benchmarks/results/<bench>_<device>[_variant].json``: where a benchmark's JSON goes by default."""
+    return ROOT / "benchmarks" / "results" / f"{bench}_{device_name()}{'_' + variant if variant else ''}.json"
 
 
 def provenance(argv: list[str] | None = None, *, config: dict | None = None) -> dict:

@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._harness import free_port, start_scripted_upstream, wait_healthy
+from benchmarks.provenance import result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "bench-admin"
@@ -268,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS),
                    help="chat (fenced moves) and/or tools (move function calls parsed by the proxy)")
     p.add_argument("--anchor", default=None, help="also time the proxy of this git revision (e.g. main)")
-    p.add_argument("--json", default="benchmarks/results/proxy_cpu.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/proxy_<device>.json")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("proxy")
     gen_ms = args.gen_ms or [0.0 if n == 1 else 500.0 for n in args.agents]
     if len(gen_ms) == 1:
         gen_ms = gen_ms * len(args.agents)
@@ -288,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.kinds:  # the anchor's proxy may predate tools: it runs the chat kind only
             trees = {"proxy": ROOT, **({"anchor": anchor_dir} if anchor_dir is not None and kind == "chat" else {})}
             rows += _run_kind(kind, trees, args, gen_ms, env, path)
-    from benchmarks.provenance import write_result
 
     write_result(args.json, {"benchmark": "proxy", "rows": rows, "turns_per_agent": args.turns,
                              "anchor": args.anchor, "kinds": args.kinds})

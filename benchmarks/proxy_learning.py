@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.provenance import write_result
+from benchmarks.provenance import result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
@@ -183,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--config", type=Path, default=CONFIG, help="the trainer config both arms run (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_proxy_learning")
-    p.add_argument("--json", default="benchmarks/results/proxy_learning_cpu.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/proxy_learning_<device>.json")
     p.add_argument("overrides", nargs="*", help="key.sub=value for both arms")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("proxy_learning")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = args.config.resolve()

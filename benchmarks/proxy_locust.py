@@ -36,6 +36,7 @@ import numpy as np
 from benchmarks.proxy import ADMIN, ROOT, start_proxy, start_stack, stop_all
 from benchmarks._harness import proc_sample
 from benchmarks.proxy_soak import GROUP
+from benchmarks.provenance import result_path, write_result
 
 LOCUSTFILE = ROOT / "benchmarks" / "locust" / "proxy_agents.py"
 
@@ -145,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spawn-rate", type=float, default=64.0, help="locust users started per second")
     p.add_argument("--max-s", type=int, default=1800, help="locust's --run-time cap (the run ends when every "
                                                            "agent has finished)")
-    p.add_argument("--json", default="benchmarks/results/proxy_locust_cpu.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/proxy_locust_<device>.json")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("proxy_locust")
     result = run(args)
-    from benchmarks.provenance import write_result
 
     write_result(args.json, {"benchmark": "proxy_locust", **vars(args), **result})
     print(f"wrote {args.json}")

@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks._harness import proc_sample
 from benchmarks.proxy import ADMIN, ROOT, start_proxy, start_stack, stop_all
+from benchmarks.provenance import result_path, write_result
 
 GROUP = 8
 
@@ -130,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=10_000)
     p.add_argument("--wave", type=int, default=256)
     p.add_argument("--session-turns", type=int, default=2)
-    p.add_argument("--json", default="benchmarks/results/proxy_soak_cpu.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/proxy_soak_<device>.json")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("proxy_soak")
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JAXPRM_PROXY_ADMIN_KEY=ADMIN)
     procs: list[subprocess.Popen] = []
     try:
@@ -140,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(_run(url, procs[-1].pid, args))
     finally:
         stop_all(procs)
-    from benchmarks.provenance import write_result
 
     write_result(args.json, {"benchmark": "proxy_soak", **vars(args), **result})
     print(f"wrote {args.json}")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -42,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.provenance import write_result  # noqa: E402
+from benchmarks.provenance import result_path, write_result  # noqa: E402
 from jaxprm.models import load_model  # noqa: E402
 
 # Contraction axes of each stacked weight ([L, ...]); every other axis gets its own scale.
@@ -224,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "quantized_decode_cpu.json"))
+    p.add_argument("--json", default=None, help="default: benchmarks/results/quantized_decode_<device>.json")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("quantized_decode")
     model, tok = load_model(args.model)
     print(f"{args.model}: one decode token's projections on {jax.devices()[0].platform} "
           f"({os.cpu_count()} cores), load {[round(x, 2) for x in os.getloadavg()]}")

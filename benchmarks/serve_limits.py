@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks._harness import free_port, wait_healthy
-from benchmarks.provenance import write_result
+from benchmarks.provenance import result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,9 +100,10 @@ def _small_behind(url: str, rows: int, max_tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_limits", description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default="benchmarks/results/serve_limits_cpu.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/serve_limits_<device>.json")
     p.add_argument("--repeats", type=int, default=3, help="rounds (round 0 includes the first compiles)")
     args = p.parse_args(argv)
+    args.json = args.json or result_path("serve_limits")
     load0 = os.getloadavg()
     port = free_port()
     proc = _start(port)

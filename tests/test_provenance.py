@@ -26,3 +26,14 @@ def test_a_clash_with_a_provenance_field_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="'commit' is provenance's"):
         write_result(tmp_path / "r.json", {"commit": "abc"})
     assert "config" not in provenance()
+
+
+def test_results_are_named_bench_device_variant(monkeypatch):
+    from benchmarks.provenance import ROOT, device_name, gpu_model, result_path
+
+    assert [gpu_model(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "Tesla V100-SXM2-16GB",
+                                   "NVIDIA A100-SXM4-40GB", "Some Accelerator")] == ["h100", "h200", "v100", "a100", "gpu"]
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # pinned to the CPU: no accelerator is asked about
+    assert device_name() == "cpu"
+    assert result_path("serve") == ROOT / "benchmarks" / "results" / "serve_cpu.json"
+    assert result_path("proxy_learning", "tools").name == "proxy_learning_cpu_tools.json"
