@@ -1,7 +1,7 @@
 """``python -m jaxprm.train [--config FILE.yaml] [--resume RUN_DIR] [--print-config] [key.sub=value ...]``.
 
 With no arguments the embedded default runs: the tiny policy is warm-started (cached), the jaxprm
-server starts in-process on a free loopback port, and PaTR GRPO trains on FrozenLake.
+server starts in-process on a free loopback port, and flat GRPO (anchor-state advantages) trains on FrozenLake.
 """
 
 from __future__ import annotations

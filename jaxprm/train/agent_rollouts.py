@@ -32,6 +32,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from jaxprm.train.setup import TrainError
 from rollout.export import FILTERS
 from rollout.proxy import ProxyConfig, ProxyServer
+from rollout.proxy.agent_process import AgentProcess
 from rollout.proxy.workflow import resolve_workflow, run_agent_group
 from scorers import MetricsAccumulator
 
@@ -55,6 +56,7 @@ class AgentRollouts:
         self.max_context_tokens = max_context_tokens
         self.server = None
         self.http = None
+        self.processes: list[AgentProcess] = []
 
     async def start(self) -> None:
         ag = self.cfg.agent
@@ -78,9 +80,18 @@ class AgentRollouts:
         self.http = HttpxAiohttpClient(timeout=httpx.Timeout(ag.timeout_s),
                                        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
         self.limiter = asyncio.Semaphore(n)
-        self.log(f"recording proxy on {self.server.url} (agent workflow {ag.workflow})")
+        for _ in range(ag.processes):  # the agents' own interpreters (agent.processes)
+            try:
+                self.processes.append(await AgentProcess.start(ag.workflow, concurrency=n, timeout_s=ag.timeout_s))
+            except (ImportError, OSError) as e:
+                raise TrainError(f"agent.processes={ag.processes}: {e}") from None
+        where = f"in {ag.processes} agent process(es)" if ag.processes else "on the trainer's event loop"
+        self.log(f"recording proxy on {self.server.url} (agent workflow {ag.workflow}, {where})")
 
     async def close(self) -> None:
+        processes, self.processes = self.processes, []
+        for p in processes:
+            await p.close()
         if self.http is not None:
             await self.http.aclose()
             self.http = None
@@ -94,7 +105,8 @@ class AgentRollouts:
         proxy, base_url = self.server.proxy, self.server.base_url
         outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)
             run_agent_group(proxy, base_url, task, f"s{step}-g{i}-{getattr(task, 'task_id', i)}",
-                            cfg.rollout.group_size, self.workflow, http_client=self.http, timeout_s=ag.timeout_s,
+                            cfg.rollout.group_size, self.processes[i % len(self.processes)] if self.processes
+                            else self.workflow, http_client=self.http, timeout_s=ag.timeout_s,
                             kwargs=ag.kwargs, discount=ag.discount, limiter=self.limiter,
                             seed=f"{cfg.seed}:{step * 10_000 + i}")
             for i, task in enumerate(tasks)))

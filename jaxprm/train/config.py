@@ -292,6 +292,8 @@ def validate_agent(cfg: TrainConfig) -> None:
     ag = cfg.agent
     _positive(ag, "agent", "timeout_s", "concurrency", "session_timeout_s")
     _check(0 <= ag.discount <= 1, "agent.discount", f"must be in [0, 1], got {ag.discount}")
+    _check(isinstance(ag.processes, int) and ag.processes >= 0, "agent.processes",
+           f"must be an integer >= 0 (0: the agents run on the trainer's event loop), got {ag.processes!r}")
     if cfg.rollout.source != "agent":
         return
     _check(cfg.rollout.strategy == "flat", "rollout.strategy",

@@ -1,6 +1,6 @@
 """Trainer integration of the recording proxy (rollout.source: agent): config rules, a short
-in-process run with the example OpenAI-SDK agent (smoke) next to the same run on the tree path (the
-same data step by step), and the opt-in learning run."""
+in-process run with the example OpenAI-SDK agent (smoke; also with the agents in a child process)
+next to the same run on the tree path (the same data step by step), and the opt-in learning run."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_agent_config_rules():
         load_config(AGENT, ["agent.chat_template_type=hf"])
     with pytest.raises(ConfigError, match=r"agent.discount: must be in \[0, 1\]"):
         load_config(AGENT, ["agent.discount=1.5"])
+    with pytest.raises(ConfigError, match=r"agent.processes: must be an integer >= 0"):
+        load_config(AGENT, ["agent.processes=-1"])
     with pytest.raises(ConfigError, match=r"rollout.source: got 'proxy'; allowed values: 'tree', 'agent'"):
         load_config(None, ["rollout.source=proxy"])
     assert load_config(None, ["rollout.source=agent", "rollout.strategy=flat", "advantage.estimator=leaf_grpo"]).agent.timeout_s > 0
@@ -47,13 +49,15 @@ def test_a_missing_workflow_is_a_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """The smoke config through the proxy (``agent``) and on the tree path (``tree``):
-    ``{arm: (run_dir, summary, log lines)}``."""
+    """The smoke config through the proxy (``agent``; ``agent_process``: the agents in a child process,
+    ``agent.processes=1``) and on the tree path (``tree``): ``{arm: (run_dir, summary, log lines)}``."""
     out = {}
-    for arm in ("agent", "tree"):
+    for arm, extra in (("agent", []), ("agent_process", ["agent.processes=1"]), ("tree", [])):
         run = tmp_path_factory.mktemp(arm) / "run"
         logs: list[str] = []
-        summary = train(load_config(AGENT, [*SMOKE, f"rollout.source={arm}", f"run_dir={run}"]), log=logs.append)
+        source = "tree" if arm == "tree" else "agent"
+        summary = train(load_config(AGENT, [*SMOKE, f"rollout.source={source}", f"run_dir={run}", *extra]),
+                        log=logs.append)
         out[arm] = (run, summary, logs)
     return out
 
@@ -61,6 +65,7 @@ def smoke_runs(tmp_path_factory):
 def test_smoke_run_with_the_example_agent_through_the_proxy(smoke_runs):
     run, summary, logs = smoke_runs["agent"]
     assert summary.steps == 2 and any("recording proxy on http://127.0.0.1:" in m for m in logs)
+    assert any("in 1 agent process(es)" in m for m in smoke_runs["agent_process"][2])
     rows = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -79,8 +84,8 @@ def test_the_agent_path_trains_on_what_the_tree_path_trains_on(smoke_runs):
     rounding: the server batches the two arms' requests differently) and end at the same eval."""
     rows = {arm: [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] in ("train", "eval")]
             for arm, (run, _, _) in smoke_runs.items()}
-    assert [r["step"] for r in rows["agent"]] == [r["step"] for r in rows["tree"]]
-    for a, t in zip(rows["agent"], rows["tree"]):
+    assert [r["step"] for r in rows["agent"]] == [r["step"] for r in rows["agent_process"]] == [r["step"] for r in rows["tree"]]
+    for a, t in [*zip(rows["agent"], rows["tree"]), *zip(rows["agent_process"], rows["tree"])]:
         for k in ("success", "trajectories", "sampled_actions", "generated_tokens", "invalid_rate", "rows",
                   "seq_len", "pass_at_1", "turns"):
             assert a.get(k) == t.get(k), (a["kind"], a["step"], k, a.get(k), t.get(k))
