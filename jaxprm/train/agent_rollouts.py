@@ -103,6 +103,12 @@ class AgentRollouts:
         """Run one group per task (see the module docstring)."""
         cfg, ag = self.cfg, self.cfg.agent
         proxy, base_url = self.server.proxy, self.server.base_url
+        for k, p in enumerate(self.processes):  # a dead agent process failed its groups; the next step gets a new one
+            if not p.alive:
+                self.log(f"agent process {k} is gone ({p.process.exitcode=}); starting another")
+                await p.close()
+                self.processes[k] = await AgentProcess.start(ag.workflow, concurrency=ag.concurrency,
+                                                             timeout_s=ag.timeout_s)
         outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)
             run_agent_group(proxy, base_url, task, f"s{step}-g{i}-{getattr(task, 'task_id', i)}",
                             cfg.rollout.group_size, self.processes[i % len(self.processes)] if self.processes

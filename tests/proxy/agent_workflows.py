@@ -20,3 +20,15 @@ async def unpicklable(task, base_url, api_key, http_client, **kw):
 
 def not_async(task, base_url, api_key, http_client, **kw):
     return 1.0
+
+
+async def dies_once(task, base_url, api_key, http_client, marker: str, **kw):
+    """The example chat agent, except that the first call anywhere kills its process."""
+    import os
+
+    from rollout.agents.frozenlake_chat import run
+
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(3)
+    return await run(task, base_url, api_key, http_client, **kw)

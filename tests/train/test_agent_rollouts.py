@@ -156,3 +156,14 @@ def test_an_agent_episode_is_solved_when_its_last_recorded_state_says_so():
     assert _successes(recorded) == [False, True]
     bare = SimpleNamespace(export=SimpleNamespace(rows=rows), results=[{"rewards": {"a": 0.8}}, {"rewards": {"c": 10.5}}])
     assert _successes(bare) == [True, True]  # no recorded states: outcome reward > 0
+
+
+def test_a_dead_agent_process_fails_its_groups_and_the_next_step_gets_a_new_one(tmp_path):
+    logs: list[str] = []
+    cfg = load_config(AGENT, [*SMOKE, "agent.processes=1", "agent.workflow=tests.proxy.agent_workflows:dies_once",
+                              f"agent.kwargs.marker={tmp_path / 'died'}", f"run_dir={tmp_path / 'r'}"])
+    summary = train(cfg, log=logs.append)
+    rows = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r["kind"] == "train"]
+    assert summary.steps == 2 and rows[0]["agent_failed_groups"] == 2  # the child died under both groups
+    assert rows[1]["agent_failed_groups"] == 0 and rows[1]["trajectories"] == 4
+    assert any("agent process 0 is gone" in m for m in logs)
