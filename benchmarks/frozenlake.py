@@ -165,7 +165,12 @@ def paired_against(results: dict[str, list[dict]], base: str = "grpo") -> dict[s
         final = [100 * a["success"][-1] for a, _ in pairs], [100 * b["success"][-1] for _, b in pairs]
         gain = ([100 * (a["success"][-1] - a["success"][0]) for a, _ in pairs],
                 [100 * (b["success"][-1] - b["success"][0]) for _, b in pairs])
-        out[v] = {"seeds": seeds, "final_success": paired_comparison(*final), "gain": paired_comparison(*gain)}
+        # pairs whose warm starts are known to differ (both digests recorded): a float-level difference
+        # in the SFT, e.g. a cache made by other code, makes a seed's arms start apart
+        apart = [s for s, (a, b) in zip(seeds, pairs) if a.get("warm_start_sha256") and b.get("warm_start_sha256")
+                 and a["warm_start_sha256"] != b["warm_start_sha256"]]
+        out[v] = {"seeds": seeds, "final_success": paired_comparison(*final), "gain": paired_comparison(*gain),
+                  "warm_start_differs": apart}
     return out
 
 
@@ -188,6 +193,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
         _train(VARIANTS[variant], run_dir, overrides, out / f"{variant}-s{seed}.log")
         print(f"  {variant} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
     rows = _rows(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
     ev = [r for r in rows if r["kind"] == "eval"]
     tr = [r for r in rows if r["kind"] == "train"]
     mean = lambda key: float(np.mean([r.get(key, 0) for r in tr])) if tr else 0.0  # noqa: E731
@@ -210,7 +216,9 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
         "pruned_per_step": mean("pruned"),
         "checkpoints_per_step": mean("checkpoints"),
         "dynamic_dropped_per_step": mean("dynamic_dropped_groups"),
-        "wall_s": json.loads((run_dir / "summary.json").read_text()).get("wall_s"),
+        "wall_s": summary.get("wall_s"),
+        # the warm-started parameters' digest: the pairs of a seed must start from the same ones
+        "warm_start_sha256": (summary.get("warm_start") or {}).get("params_sha256"),
     }
 
 
@@ -365,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
 
         md += "\n\nPaired by seed against grpo (points; " + "sample std, 95% t CI, Wilcoxon signed-rank):\n\n" + "\n".join(
             f"- {format_comparison(v + ' final success', c['final_success'])}; "
-            f"{format_comparison('gain', c['gain'])}" for v, c in paired.items())
+            f"{format_comparison('gain', c['gain'])}"
+            + (f" (the warm start differs from grpo's on seed(s) {c['warm_start_differs']})"
+               if c.get("warm_start_differs") else "") for v, c in paired.items())
     print("\n" + md)
     from benchmarks.provenance import provenance
 

@@ -67,3 +67,14 @@ def test_kept_arms_keep_their_own_provenance(tmp_path):
     assert (tmp_path / "table.md").is_file() and (tmp_path / "success.png").is_file()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["commit"] == new["commit"] and set(summary["variants"]) == {"grpo", "patr"}
+
+
+def test_frozenlake_names_the_pairs_whose_warm_starts_differ():
+    from benchmarks.frozenlake import paired_against
+
+    def run(seed, last, digest):
+        return {"seed": seed, "success": [0.5, last], "warm_start_sha256": digest}
+
+    results = {"grpo": [run(0, 0.6, "a"), run(1, 0.7, "b"), run(2, 0.5, None)],
+               "patr": [run(0, 0.8, "a"), run(1, 0.7, "B"), run(2, 0.6, "c")]}  # seed 2: one digest unknown
+    assert paired_against(results)["patr"]["warm_start_differs"] == [1]

@@ -40,7 +40,7 @@ from rollout.chat import PromptBuilder
 from rollout.envs.base import ACTIONS
 from rollout.envs.frozenlake import FrozenLakeEnv
 
-__all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key"]
+__all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key", "params_digest"]
 
 
 @dataclasses.dataclass
@@ -174,6 +174,17 @@ def warm_start_key(key_data: dict[str, Any], demos: list[Demo]) -> str:
     return config_hash({**key_data, "demos_sha256": h.hexdigest()})
 
 
+def params_digest(params) -> str:
+    """sha256 of every leaf's path, dtype, shape and bytes: two runs with the same digest start from
+    bit-identical parameters (what a comparison paired by warm start relies on)."""
+    h = hashlib.sha256()
+    for k, v in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(v)
+        h.update(f"{jax.tree_util.keystr(k)}:{a.dtype}:{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def _save_npz(path: Path, params) -> None:
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     tmp = path.with_suffix(".tmp.npz")
@@ -208,6 +219,7 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
             params = _load_npz(pfile, policy.params)
             report = json.loads(rfile.read_text())
             report["cached"] = True
+            report["params_sha256"] = params_digest(params)  # of what was loaded (older caches lack it)
             log(f"warm start: loaded cached params from {cache}")
             return params, report
         except Exception as e:  # a corrupt cache is rebuilt, not fatal
@@ -228,6 +240,7 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
         "sft_loss_last": losses[-1],
         "seconds": time.perf_counter() - t0,
         "cached": False,
+        "params_sha256": params_digest(params),
     }
     cache.mkdir(parents=True, exist_ok=True)
     _save_npz(pfile, params)

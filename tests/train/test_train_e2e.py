@@ -63,6 +63,7 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert model.config.vocab_size == tok.vocab_size
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["last_eval"]["step"] == 2
+    assert len(summary["warm_start"]["params_sha256"]) == 64  # what pairs runs by warm start
     # the breakdown's structure, not its timings: every phase, none negative, summing to the wall time
     from jaxprm.train.compilation import PhaseTimes
 

@@ -65,3 +65,16 @@ def test_the_cache_key_follows_the_demonstrations(tokenizer):
     assert warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT)) != warm_start_key(key_data, demos(SYSTEM_PROMPT))
     assert warm_start_key(key_data, demos(COMPACT_SYSTEM_PROMPT)) != warm_start_key({"v": 2, "seed": 0},
                                                                                    demos(COMPACT_SYSTEM_PROMPT))
+
+
+def test_the_params_digest_survives_the_cache_and_sees_one_changed_value(tmp_path):
+    import jax.numpy as jnp
+
+    from jaxprm.train.warmstart import _load_npz, _save_npz, params_digest
+
+    params = {"a": {"w": jnp.arange(6.0).reshape(2, 3)}, "b": jnp.ones(4, jnp.float32)}
+    _save_npz(tmp_path / "p.npz", params)
+    assert params_digest(_load_npz(tmp_path / "p.npz", params)) == params_digest(params)
+    changed = {"a": {"w": params["a"]["w"].at[1, 2].add(1e-6)}, "b": params["b"]}
+    assert params_digest(changed) != params_digest(params)
+    assert params_digest({"a": {"w": params["a"]["w"]}, "b": params["b"].astype(jnp.bfloat16)}) != params_digest(params)
