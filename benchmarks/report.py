@@ -301,30 +301,6 @@ def proxy_tools() -> str:
     return "\n".join(lines) + f"\n\nms per turn. From {source('proxy_cpu_tools.json', data)}."
 
 
-def agent_learning() -> str:
-    """The chat agent and the tool-calling agent learning through the proxy, held-out success per
-    eval step and seed (``benchmarks.proxy_learning``'s agent arm over each config)."""
-    arms = [("chat agent (`agent_frozenlake.yaml`)", "proxy_learning_cpu.json"),
-            ("tool-calling agent (`agent_frozenlake_tools.yaml`)", "proxy_learning_cpu_tools.json")]
-    present = [(name, f, load(f)) for name, f in arms if (RESULTS / f).is_file()]
-    steps = present[0][2]["runs"][0]["steps"]
-    lines = ["| agent | seed | " + " | ".join(f"step {s}" for s in steps) + " | gain (points) |",
-             "|---|---|" + "---|" * len(steps) + "---|"]
-    for name, _, data in present:
-        runs = sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"])
-        for r in runs:
-            lines.append(f"| {name} | {r['seed']} | " + " | ".join(f"{100 * v:.1f}" for v in r["success"])
-                         + f" | {100 * (r['success'][-1] - r['success'][0]):+.1f} |")
-        gains = [100 * (r["success"][-1] - r["success"][0]) for r in runs]
-        mean, sd = mean_std(gains)
-        curve = [mean_std([100 * r["success"][i] for r in runs]) for i in range(len(steps))]
-        lines.append(f"| {name} | mean ± std | " + " | ".join(f"{m:.1f} ± {d:.1f}" for m, d in curve)
-                     + f" | **{mean:+.1f} ± {sd:.1f}** |")
-    return "\n".join(lines) + ("\n\nHeld-out sampled success (%; 64 maps x 4 samples), 30 steps, the same warm-start "
-                               "recipe in each agent's format; std is the sample std over seeds. From "
-                               + " and ".join(source(f, d) for _, f, d in present) + ".")
-
-
 def gae_break_even() -> str:
     """GAE's scan and associative methods, milliseconds, on the H200 and this CPU (``benchmarks.kernels --break-even``)."""
     gpu, cpu = load("gae_break_even_h200.json"), load("gae_break_even_cpu.json")
@@ -418,7 +394,7 @@ def recipe_history() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
-    "proxy-tools": proxy_tools, "agent-learning": agent_learning, "gae-break-even": gae_break_even, "async-rl": async_rl,
+    "proxy-tools": proxy_tools, "gae-break-even": gae_break_even, "async-rl": async_rl,
     "recipe-history": recipe_history, "fuzz": fuzz, "kill-and-damage": kill_and_damage, "credit-default": credit_default, "credit-weak": credit_weak,
     "headline": headline, "sokoban": sokoban, "chaos": chaos,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
