@@ -1,6 +1,6 @@
 """Learning through the recording proxy vs the tree path's flat GRPO, at the same settings.
 
-    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--arms agent tree] [--config YAML]
+    python -m benchmarks.proxy_learning [--seeds 0 1 2] [--steps N] [--arms agent [agent_processes] tree] [--config YAML]
                                         [--out runs/bench_proxy_learning]
                                         [--json benchmarks/results/proxy_learning_cpu.json] [key.sub=value ...]
 
@@ -33,7 +33,8 @@ benchmark over its config:
     python -m benchmarks.proxy_learning --config configs/agent_frozenlake_tools.yaml --arms agent \
         --out runs/bench_proxy_learning_tools --json benchmarks/results/proxy_learning_cpu_tools.json
 
-A rollout-time measurement need not learn long:
+``--arms agent agent_processes tree`` adds the agents in a child process (``agent.processes=1``)
+as a third arm, timed against the same tree runs. A rollout-time measurement need not learn long:
 
     python -m benchmarks.proxy_learning --seeds 0 --steps 10 --json PATH warm_start.steps=50 \
         eval.at_start=false eval.every_steps=100 eval.num_tasks=8
@@ -55,12 +56,15 @@ from benchmarks.provenance import result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
-ARMS = ("agent", "tree")
-_FREE = {("rollout", "source"), ("run_dir",)}
+#: arm -> what it adds: ``agent`` (the agents on the trainer's event loop), ``agent_processes`` (the
+#: same agents in a child process, ``agent.processes=1``), ``tree`` (the tree path)
+ARMS = {"agent": ["rollout.source=agent"], "agent_processes": ["rollout.source=agent", "agent.processes=1"],
+        "tree": ["rollout.source=tree"]}
+_FREE = {("rollout", "source"), ("run_dir",), ("agent", "processes")}
 
 
 def _overrides(arm: str, seed: int, run_dir: Path, steps: int | None, extra: list[str]) -> list[str]:
-    out = [f"rollout.source={arm}", f"seed={seed}", f"env.seed={seed}", f"run_dir={run_dir}", "progress=false",
+    out = [*ARMS[arm], f"seed={seed}", f"env.seed={seed}", f"run_dir={run_dir}", "progress=false",
            "export_final=false", "plots=false", *extra]
     return out + ([f"steps={steps}"] if steps is not None else [])
 
@@ -137,17 +141,21 @@ def _summary(runs: list[dict], arms: list[str]) -> dict:
                     "train_success_mean": float(np.mean([r["train_success_mean"] for r in rs])),
                     "sampled_actions_mean": float(np.mean([r["sampled_actions"] for r in rs])),
                     "generated_tokens_mean": float(np.mean([r["generated_tokens"] for r in rs]))}
-    if {"agent", "tree"} <= set(out):
-        by = {(r["arm"], r["seed"]): r for r in runs}
-        seeds = [s for s in out["agent"]["seeds"] if ("tree", s) in by]
-        d = np.array([by["agent", s]["success"][-1] - by["tree", s]["success"][-1] for s in seeds])
-        out["agent_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()), "std": float(d.std(ddof=1 if len(d) > 1 else 0))}
-        ratio = [by["agent", s]["rollout_s"] / max(by["tree", s]["rollout_s"], 1e-9) for s in seeds]
-        out["rollout_time_ratio"] = {"seeds": seeds, "agent_s": [by["agent", s]["rollout_s"] for s in seeds],
-                                     "tree_s": [by["tree", s]["rollout_s"] for s in seeds], "agent_over_tree": ratio,
-                                     "same_generated_tokens": [by["agent", s]["generated_tokens"]
-                                                               == by["tree", s]["generated_tokens"] for s in seeds],
-                                     "goal": "agent / tree <= 1.5 (issue 40)"}
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    for arm in ("agent", "agent_processes"):  # each agent arm against the tree path, seed by seed
+        if not {arm, "tree"} <= set(out):
+            continue
+        seeds = [s for s in out[arm]["seeds"] if ("tree", s) in by]
+        d = np.array([by[arm, s]["success"][-1] - by["tree", s]["success"][-1] for s in seeds])
+        suffix = "" if arm == "agent" else f"_{arm}"
+        out[f"{arm}_minus_tree"] = {"seeds": seeds, "last": d.tolist(), "mean": float(d.mean()),
+                                    "std": float(d.std(ddof=1 if len(d) > 1 else 0))}
+        ratio = [by[arm, s]["rollout_s"] / max(by["tree", s]["rollout_s"], 1e-9) for s in seeds]
+        out["rollout_time_ratio" + suffix] = {
+            "seeds": seeds, "agent_s": [by[arm, s]["rollout_s"] for s in seeds],
+            "tree_s": [by["tree", s]["rollout_s"] for s in seeds], "agent_over_tree": ratio,
+            "same_generated_tokens": [by[arm, s]["generated_tokens"] == by["tree", s]["generated_tokens"] for s in seeds],
+            "goal": "agent / tree <= 1.5 (issue 40)"}
     return out
 
 
@@ -162,12 +170,15 @@ def _print_summary(summary: dict, runs: list[dict], arms: list[str]) -> None:
         s = summary[arm]
         print(f"{arm:<6} {'mean':>5} " + " ".join(f"{v:>7.3f}" for v in s["mean"]) + f" {s['gain_mean']:>+7.3f}")
         print(f"{arm:<6} {'std':>5} " + " ".join(f"{v:>7.3f}" for v in s["std"]) + f" {s['gain_std']:>7.3f}")
-    if "agent_minus_tree" in summary:
-        d = summary["agent_minus_tree"]
-        print(f"agent - tree at the last eval, per seed: {', '.join(f'{x:+.3f}' for x in d['last'])}; "
+    for arm in ("agent", "agent_processes"):
+        suffix = "" if arm == "agent" else f"_{arm}"
+        if f"{arm}_minus_tree" not in summary:
+            continue
+        d = summary[f"{arm}_minus_tree"]
+        print(f"{arm} - tree at the last eval, per seed: {', '.join(f'{x:+.3f}' for x in d['last'])}; "
               f"mean {d['mean']:+.3f} ± {d['std']:.3f}")
-        t = summary["rollout_time_ratio"]
-        print("rollout seconds agent / tree, per seed: " + ", ".join(
+        t = summary["rollout_time_ratio" + suffix]
+        print(f"rollout seconds {arm} / tree, per seed: " + ", ".join(
             f"{a:.1f} / {b:.1f} = {r:.2f}x" for a, b, r in zip(t["agent_s"], t["tree_s"], t["agent_over_tree"]))
             + f" (same generated tokens: {all(t['same_generated_tokens'])}; goal <= 1.5x)")
     for arm in arms:
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.proxy_learning", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--arms", nargs="+", default=["agent", "tree"], choices=list(ARMS))
     p.add_argument("--config", type=Path, default=CONFIG, help="the trainer config both arms run (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_proxy_learning")
     p.add_argument("--json", default=None, help="default: benchmarks/results/proxy_learning_<device>.json")
@@ -199,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm in args.arms:
             runs.append(_run(arm, seed, out, args.steps, args.overrides, config))
             write_result(args.json, {**meta, "runs": runs})  # after every run: an interrupted benchmark keeps them
-        if len(args.arms) == 2:
-            diff = check_same_settings(out / f"agent-s{seed}", out / f"tree-s{seed}")
+        for arm in args.arms[1:]:  # every arm runs the first arm's settings but for what ARMS changes
+            diff = check_same_settings(out / f"{args.arms[0]}-s{seed}", out / f"{arm}-s{seed}")
             if diff:
                 raise SystemExit(f"seed {seed}: the arms' resolved configs differ at {diff}")
     summary = _summary(runs, args.arms)
