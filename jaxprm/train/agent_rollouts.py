@@ -107,8 +107,11 @@ class AgentRollouts:
             if not p.alive:
                 self.log(f"agent process {k} is gone ({p.process.exitcode=}); starting another")
                 await p.close()
-                self.processes[k] = await AgentProcess.start(ag.workflow, concurrency=ag.concurrency,
-                                                             timeout_s=ag.timeout_s)
+                try:
+                    self.processes[k] = await AgentProcess.start(ag.workflow, concurrency=ag.concurrency,
+                                                                 timeout_s=ag.timeout_s)
+                except (ImportError, OSError) as e:
+                    raise TrainError(f"agent.processes: agent process {k} could not be restarted: {e}") from None
         outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)
             run_agent_group(proxy, base_url, task, f"s{step}-g{i}-{getattr(task, 'task_id', i)}",
                             cfg.rollout.group_size, self.processes[i % len(self.processes)] if self.processes
