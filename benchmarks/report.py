@@ -120,9 +120,13 @@ def headline() -> str:
                  f"{ours:.1f} against {theirs:.1f} tok/s ({ours / theirs:.2f}x)", source("serve_cpu_llamacpp.json", sv)))
     pr = load("proxy_rollout_time_cpu.json")
     r = pr["summary"]["rollout_time_ratio"]
+    text = f"{r['agent_s'][0]:.1f} s against {r['tree_s'][0]:.1f} s ({r['agent_over_tree'][0]:.2f}x)"
+    rp = pr["summary"].get("rollout_time_ratio_agent_processes")
+    if rp:  # the agents in a child process (agent.processes=1), timed against the same tree run
+        text = (f"agents in the trainer's process {text}; in a process of their own (`agent.processes=1`) "
+                f"{rp['agent_s'][0]:.1f} s ({rp['agent_over_tree'][0]:.2f}x)")
     rows.append(("An OpenAI-SDK agent through the recording proxy against the tree path, same samples: "
-                 "rollout time", f"{r['agent_s'][0]:.1f} s against {r['tree_s'][0]:.1f} s "
-                 f"({r['agent_over_tree'][0]:.2f}x)", source("proxy_rollout_time_cpu.json", pr)))
+                 "rollout time over 10 steps", text, source("proxy_rollout_time_cpu.json", pr)))
     lc = load("proxy_locust_cpu.json")
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
