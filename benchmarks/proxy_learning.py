@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "agent_frozenlake.yaml"
 #: arm -> what it adds: ``agent`` (the agents on the trainer's event loop), ``agent_processes`` (the
 #: same agents in a child process, ``agent.processes=1``), ``tree`` (the tree path)
-ARMS = {"agent": ["rollout.source=agent"], "agent_processes": ["rollout.source=agent", "agent.processes=1"],
+ARMS = {"agent": ["rollout.source=agent", "agent.processes=0"],
+        "agent_processes": ["rollout.source=agent", "agent.processes=1"],
         "tree": ["rollout.source=tree"]}
 _FREE = {("rollout", "source"), ("run_dir",), ("agent", "processes")}
 

@@ -52,7 +52,7 @@ def smoke_runs(tmp_path_factory):
     """The smoke config through the proxy (``agent``; ``agent_process``: the agents in a child process,
     ``agent.processes=1``) and on the tree path (``tree``): ``{arm: (run_dir, summary, log lines)}``."""
     out = {}
-    for arm, extra in (("agent", []), ("agent_process", ["agent.processes=1"]), ("tree", [])):
+    for arm, extra in (("agent", ["agent.processes=0"]), ("agent_process", ["agent.processes=1"]), ("tree", [])):
         run = tmp_path_factory.mktemp(arm) / "run"
         logs: list[str] = []
         source = "tree" if arm == "tree" else "agent"
