@@ -118,15 +118,20 @@ def headline() -> str:
     theirs = sv["llamacpp"]["levels"][0]["tokens_per_s"]
     rows.append(("Serving SmolLM2-135M, one stream: jaxprm (float32) against llama.cpp (Q4_1)",
                  f"{ours:.1f} against {theirs:.1f} tok/s ({ours / theirs:.2f}x)", source("serve_cpu_llamacpp.json", sv)))
-    pr = load("proxy_rollout_time_cpu.json")
-    r = pr["summary"]["rollout_time_ratio"]
-    text = f"{r['agent_s'][0]:.1f} s against {r['tree_s'][0]:.1f} s ({r['agent_over_tree'][0]:.2f}x)"
-    rp = pr["summary"].get("rollout_time_ratio_agent_processes")
-    if rp:  # the agents in a child process (agent.processes=1), timed against the same tree run
-        text = (f"agents in the trainer's process {text}; in a process of their own (`agent.processes=1`) "
-                f"{rp['agent_s'][0]:.1f} s ({rp['agent_over_tree'][0]:.2f}x)")
+    texts, sources = [], []
+    for name in ("proxy_rollout_time_cpu.json", "proxy_rollout_time_cpu_repeat.json"):
+        if not (RESULTS / name).is_file():
+            continue
+        pr = load(name)
+        r, rp = pr["summary"]["rollout_time_ratio"], pr["summary"].get("rollout_time_ratio_agent_processes")
+        text = f"tree {r['tree_s'][0]:.1f} s, agents in the trainer's process {r['agent_s'][0]:.1f} s ({r['agent_over_tree'][0]:.2f}x)"
+        if rp:  # the agents in a child process (agent.processes=1), timed against the same tree run
+            text += f", in a process of their own {rp['agent_s'][0]:.1f} s ({rp['agent_over_tree'][0]:.2f}x)"
+        texts.append(text)
+        sources.append(source(name, pr))
     rows.append(("An OpenAI-SDK agent through the recording proxy against the tree path, same samples: "
-                 "rollout time over 10 steps", text, source("proxy_rollout_time_cpu.json", pr)))
+                 "rollout time over 10 steps (`agent.processes=1` for a process of their own), "
+                 f"{len(texts)} run(s)", "; ".join(texts), ", ".join(sources)))
     lc = load("proxy_locust_cpu.json")
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
