@@ -80,13 +80,18 @@ class AgentRollouts:
         self.http = HttpxAiohttpClient(timeout=httpx.Timeout(ag.timeout_s),
                                        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
         self.limiter = asyncio.Semaphore(n)
-        for _ in range(ag.processes):  # the agents' own interpreters (agent.processes)
-            try:
-                self.processes.append(await AgentProcess.start(ag.workflow, concurrency=n, timeout_s=ag.timeout_s))
-            except (ImportError, OSError) as e:
-                raise TrainError(f"agent.processes={ag.processes}: {e}") from None
+        for k in range(ag.processes):  # the agents' own interpreters (agent.processes)
+            self.processes.append(await self._start_process(k))
         where = f"in {ag.processes} agent process(es)" if ag.processes else "on the trainer's event loop"
         self.log(f"recording proxy on {self.server.url} (agent workflow {ag.workflow}, {where})")
+
+    async def _start_process(self, k: int) -> AgentProcess:
+        """Agent process ``k`` (a failed start is a ``TrainError`` naming it)."""
+        ag = self.cfg.agent
+        try:
+            return await AgentProcess.start(ag.workflow, concurrency=ag.concurrency, timeout_s=ag.timeout_s)
+        except (ImportError, OSError) as e:
+            raise TrainError(f"agent.processes={ag.processes}: agent process {k} could not start: {e}") from None
 
     async def close(self) -> None:
         processes, self.processes = self.processes, []
@@ -107,11 +112,7 @@ class AgentRollouts:
             if not p.alive:
                 self.log(f"agent process {k} is gone ({p.process.exitcode=}); starting another")
                 await p.close()
-                try:
-                    self.processes[k] = await AgentProcess.start(ag.workflow, concurrency=ag.concurrency,
-                                                                 timeout_s=ag.timeout_s)
-                except (ImportError, OSError) as e:
-                    raise TrainError(f"agent.processes: agent process {k} could not be restarted: {e}") from None
+                self.processes[k] = await self._start_process(k)
         outcomes = await asyncio.gather(*(  # seeds: those of the tree path's flat group i (group seed step*10000+i)
             run_agent_group(proxy, base_url, task, f"s{step}-g{i}-{getattr(task, 'task_id', i)}",
                             cfg.rollout.group_size, self.processes[i % len(self.processes)] if self.processes
