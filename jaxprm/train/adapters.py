@@ -137,5 +137,7 @@ def warm_start_key_data(cfg: TrainConfig, model_config: Any = None) -> dict[str,
     resolved = dataclasses.asdict(model_config) if model_config is not None else None
     return {"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
             "env": _env_key(cfg),
-            "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items() if k != "cache_dir"},
+            # max_batch_tokens only when set: the caches written before it existed stay valid
+            "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items()
+                           if k != "cache_dir" and not (k == "max_batch_tokens" and v is None)},
             "seed": cfg.seed}

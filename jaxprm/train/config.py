@@ -366,7 +366,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(p.max_rows % p.num_minibatches == 0, "ppo.max_rows",
                f"must be divisible by ppo.num_minibatches ({p.num_minibatches}), got {p.max_rows}")
     w = cfg.warm_start
-    _positive(w, "warm_start", "num_demos", "steps", "batch_size", "lr")
+    _positive(w, "warm_start", "num_demos", "steps", "batch_size", "max_batch_tokens", "lr")
     _check(0 <= w.optimal_prob <= 1, "warm_start.optimal_prob", f"must be in [0, 1], got {w.optimal_prob}")
     ev = cfg.eval
     _positive(ev, "eval", "every_steps", "num_tasks", "samples", "temperature")

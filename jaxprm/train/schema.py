@@ -410,6 +410,11 @@ class WarmStartConfig:
     # took 178 s instead of 158 s
     steps: int = 300
     batch_size: int = 16
+    # None: every SFT batch has batch_size rows. A number: a batch of demos padded to length T has
+    # min(batch_size, max(1, max_batch_tokens // T)) rows, and lengths are bucketed by 256, so long
+    # demonstrations (a tool agent's, ~1,300 tokens with the tools preamble) cost about what short
+    # ones do per step instead of batch_size x T^2 attention
+    max_batch_tokens: int | None = None
     lr: float = 3e-3
     cache_dir: str = "~/.cache/jaxprm/warmstart"
     seed: int = 1234

@@ -40,7 +40,7 @@ from rollout.chat import PromptBuilder
 from rollout.envs.base import ACTIONS
 from rollout.envs.frozenlake import FrozenLakeEnv
 
-__all__ = ["Demo", "make_demos", "demo_row", "sft", "warm_start", "warm_start_key", "params_digest"]
+__all__ = ["Demo", "make_demos", "demo_row", "sft", "sft_batch_rows", "warm_start", "warm_start_key", "params_digest"]
 
 
 @dataclasses.dataclass
@@ -114,14 +114,25 @@ def demo_row(d: Demo) -> RowData:
                    outcome_reward=float(d.success), group_id=0)
 
 
+def sft_batch_rows(T: int, batch_size: int, max_batch_tokens: int | None) -> int:
+    """Rows of an SFT batch padded to length ``T``: ``batch_size``, or with a token budget
+    ``min(batch_size, max(1, max_batch_tokens // T))``."""
+    return batch_size if max_batch_tokens is None else min(batch_size, max(1, max_batch_tokens // T))
+
+
 def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr: float, seed: int,
-        len_buckets=(256, 384, 512, 640, 768, 1024, 2048, 4096), log=None, frozen: Any = None) -> tuple[Any, list[float]]:
+        len_buckets=(256, 384, 512, 640, 768, 1024, 2048, 4096), max_batch_tokens: int | None = None,
+        log=None, frozen: Any = None) -> tuple[Any, list[float]]:
     """Masked next-token cross-entropy SFT; returns ``(params, losses)``. ``frozen``: weights
     ``apply_fn`` needs but SFT does not train (LoRA's base): it then gets ``(params, frozen)``.
 
     Loss per batch: ``-sum_t mask[b,t] log p(tokens[b,t+1] | tokens[b,:t+1]) / sum mask`` (prediction
-    positions; ``mask`` covers the assistant tokens).
+    positions; ``mask`` covers the assistant tokens). Each step draws one length bucket (in
+    proportion to its demos) and :func:`sft_batch_rows` demos of it; with ``max_batch_tokens`` the
+    buckets are the multiples of 256 (``len_buckets`` unused), so a batch pads little.
     """
+    if max_batch_tokens is not None:
+        len_buckets = tuple(range(256, 256 * (-(-max(len(d.tokens) for d in demos) // 256)) + 1, 256))
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps, lr * 0.1),
                                  weight_decay=0.0))
@@ -152,8 +163,9 @@ def sft(apply_fn, params, demos: list[Demo], *, steps: int, batch_size: int, lr:
     losses = []
     for s in range(steps):
         b = keys[rng.choice(len(keys), p=weights)]
-        idx = rng.choice(buckets[b], size=batch_size, replace=len(buckets[b]) < batch_size)
-        batch = pad_rows([demo_row(demos[i]) for i in idx], row_buckets=(batch_size,), len_buckets=(b,))
+        rows = sft_batch_rows(b, batch_size, max_batch_tokens)
+        idx = rng.choice(buckets[b], size=rows, replace=len(buckets[b]) < rows)
+        batch = pad_rows([demo_row(demos[i]) for i in idx], row_buckets=(rows,), len_buckets=(b,))
         params, opt_state, loss = update(params, opt_state, frozen, batch.tokens, batch.loss_mask)
         if s % 25 == 0 or s == steps - 1:
             losses.append(float(loss))
@@ -227,7 +239,7 @@ def warm_start(w, policy, train_tasks, *, key_data: dict[str, Any], env_factory=
     log(f"warm start: {len(demos)} demos (success {np.mean([d.success for d in demos]):.2f}, "
         f"mean {np.mean([len(d.tokens) for d in demos]):.0f} tokens) in {t_demo:.1f}s; SFT {w.steps} steps")
     params, losses = sft(policy.apply_fn, policy.params, demos, steps=w.steps, batch_size=w.batch_size, lr=w.lr,
-                         frozen=policy.base,
+                         max_batch_tokens=w.max_batch_tokens, frozen=policy.base,
                          seed=w.seed, log=lambda s, l: log(f"warm start: step {s} loss {l:.4f}") if s % 100 == 0 else None)
     report = {
         "key": key,

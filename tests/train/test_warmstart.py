@@ -78,3 +78,39 @@ def test_the_params_digest_survives_the_cache_and_sees_one_changed_value(tmp_pat
     changed = {"a": {"w": params["a"]["w"].at[1, 2].add(1e-6)}, "b": params["b"]}
     assert params_digest(changed) != params_digest(params)
     assert params_digest({"a": {"w": params["a"]["w"]}, "b": params["b"].astype(jnp.bfloat16)}) != params_digest(params)
+
+
+def test_a_token_budget_takes_fewer_rows_of_long_demos():
+    """``warm_start.max_batch_tokens``: a batch padded to T has min(batch_size, budget // T) rows
+    (at least 1), lengths bucketed by 256; without it every batch has batch_size rows."""
+    import jax.numpy as jnp
+
+    from jaxprm.train.warmstart import Demo, sft, sft_batch_rows
+
+    assert sft_batch_rows(1536, 16, None) == 16
+    assert [sft_batch_rows(T, 16, 4096) for T in (256, 512, 1024, 1536, 8192)] == [16, 8, 4, 2, 1]
+    V = 8
+    shapes = []
+
+    def apply_fn(p, tokens, pos):  # a bigram model; records each shape it is traced with
+        shapes.append(tuple(tokens.shape))
+        return p["w"][tokens]
+
+    demos = [Demo(tokens=[(i + k) % V for k in range(L)], mask=[1.0] * L, success=True, turns=1)  # learnable
+             for i, L in enumerate([100] * 6 + [600] * 6 + [1100] * 6)]
+    params = {"w": jnp.zeros((V, V))}
+    for budget, want in ((None, {(4, 256), (4, 640), (4, 2048)}), (1024, {(4, 256), (1, 768), (1, 1280)})):
+        shapes.clear()
+        out, losses = sft(apply_fn, params, demos, steps=40, batch_size=4, lr=1e-2, seed=0, max_batch_tokens=budget)
+        assert set(shapes) == want, budget
+        assert losses[-1] < losses[0]
+
+
+def test_the_token_budget_enters_the_cache_key_only_when_set():
+    from jaxprm.train.adapters import warm_start_key_data
+    from jaxprm.train.config import load_config
+
+    plain = warm_start_key_data(load_config(None, []))
+    assert "max_batch_tokens" not in plain["warm_start"]  # caches written before the setting stay valid
+    assert warm_start_key_data(load_config(None, ["warm_start.max_batch_tokens=4096"]))["warm_start"][
+        "max_batch_tokens"] == 4096
