@@ -65,7 +65,7 @@ def run_arm(precompile: bool, work: Path, overrides: list[str]) -> dict:
     venv = _timed(["python3", "-m", "venv", ".venv"], cwd=repo, env=env, log=log)
     pip = _timed([str(repo / ".venv/bin/pip"), "install", "-q", "-e", "."], cwd=repo, env=env, log=log)
     run = _timed([str(repo / ".venv/bin/python"), "-m", "jaxprm.train", f"compile_cache.precompile={str(precompile).lower()}",
-                  "progress=false", *overrides], cwd=repo, env=env, log=log)
+                  *overrides], cwd=repo, env=env, log=log)
     summaries = sorted((repo / "runs").glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
     if not summaries:
         raise RuntimeError(f"the run wrote no summary.json under {repo / 'runs'}; see {log}")

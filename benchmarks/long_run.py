@@ -54,13 +54,18 @@ def _plot(result: dict, out: Path) -> None:
     health_figure([{"kind": "train", **r} for r in result["series"]], out)
 
 
-def _print(result: dict) -> None:
-    print(f"after step {result['warmup']}:\n| sample | after warm-up | last | min | max | slope per 100 steps |\n"
-          "|---|---|---|---|---|---|")
+def flatness_table(result: dict) -> str:
+    """Markdown: per sample, its value after warm-up, last, min, max and fitted slope per 100 steps."""
+    lines = ["| sample | after warm-up | last | min | max | slope per 100 steps |", "|---|---|---|---|---|---|"]
     for key, f in result["flatness"].items():
         if f:
-            print(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
-                  f"| {f['slope_per_100_steps']:g} |")
+            lines.append(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
+                         f"| {f['slope_per_100_steps']:g} |")
+    return "\n".join(lines)
+
+
+def _print(result: dict) -> None:
+    print(f"after step {result['warmup']}:\n{flatness_table(result)}")
 
 
 def main(argv: list[str] | None = None) -> int:
