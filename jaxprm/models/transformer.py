@@ -27,7 +27,9 @@ Call convention: ``logits, cache = model(tokens, positions, cache=None)``.
 
 * ``tokens`` int32 ``[B, T]`` (ids are clipped into ``[0, V)``), ``positions`` int32 ``[B, T]``
   absolute positions (RoPE angle and, with a cache, the cache slot).
-* Without a cache: query ``t`` attends keys ``s <= t`` (index-causal) whose position is ``>= 0``.
+* Without a cache: query ``t`` attends keys ``s <= t`` (index-causal) whose position is ``>= 0``;
+  rows of ``T >= 2 * CAUSAL_CHUNK`` compute it in query chunks that skip the keys after them
+  (``causal_attention``: about half the score entries, forward and backward).
   Tree-packed rows (``jaxprm.learner.packing``) pass ``subtree_end`` ``[B, T]`` instead: query
   ``t`` attends key ``s`` iff ``s <= t < subtree_end[b, s]`` (``s`` is on ``t``'s root path), and
   ``positions`` carry each token's depth (its position in the unpacked row) for RoPE. That dense
@@ -65,9 +67,12 @@ from jaxprm.models.config import ModelConfig
 from jaxprm.models.lora import lora_delta
 from jaxprm.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention", "block_attention"]
+__all__ = ["Transformer", "KVCache", "rms_norm", "init_params", "attention", "causal_attention", "block_attention",
+           "CAUSAL_CHUNK"]
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+#: Query chunk of :func:`causal_attention`; a cache-free forward of ``T >= 2 * CAUSAL_CHUNK`` uses it.
+CAUSAL_CHUNK = 128
 
 
 @jax.tree_util.register_dataclass
@@ -216,6 +221,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     return out.reshape(B, T, H, hd)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, chunk: int = CAUSAL_CHUNK
+                     ) -> jax.Array:
+    """Causal :func:`attention` computed in query chunks that skip the keys after them.
+
+    ``q [B, T, H, hd]``, ``k, v [B, T, K, hd]``, ``key_valid [B, T]`` (False: a padding key). Query
+    chunk ``[a, e)`` (``e = min(a + chunk, T)``) attends keys ``[0, e)`` with the mask
+    ``s <= t and key_valid[b, s]``, so the scores above the diagonal's chunks are never formed: with
+    ``n = T / chunk`` chunks the score tensors hold ``(n + 1) / 2n`` of ``T^2`` entries, forward and
+    backward. Equal to ``attention(q, k, v, causal & key_valid)`` up to float rounding.
+    """
+    T = q.shape[1]
+    outs = []
+    for a in range(0, T, chunk):
+        e = min(a + chunk, T)
+        mask = (jnp.arange(a, e)[None, :, None] >= jnp.arange(e)[None, None, :]) & key_valid[:, None, :e]
+        outs.append(attention(q[:, a:e], k[:, :e], v[:, :e], mask))
+    return jnp.concatenate(outs, axis=1)
+
+
 def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, query_blocks: jax.Array,
                     key_blocks: jax.Array) -> jax.Array:
     """Block-sparse tree attention over packed rows (see the module docstring).
@@ -311,6 +335,11 @@ class Transformer(nnx.Module):
 
                 def attend(q, k, v):
                     return block_attention(q, k, v, positions, qb, kb)
+            elif subtree_end is None and T >= 2 * CAUSAL_CHUNK:  # long rows: skip the keys after each query chunk
+                key_valid = positions >= 0
+
+                def attend(q, k, v):
+                    return causal_attention(q, k, v, key_valid)
             else:
                 idx = jnp.arange(T)
                 mask = (idx[None, :, None] >= idx[None, None, :]) & (positions[:, None, :] >= 0)

@@ -135,7 +135,8 @@ def warm_start_key_data(cfg: TrainConfig, model_config: Any = None) -> dict[str,
     """Everything that determines the warm-started params (``model_config``: the resolved
     ``jaxprm.models.ModelConfig``, so an architecture or init change misses the cache)."""
     resolved = dataclasses.asdict(model_config) if model_config is not None else None
-    return {"v": 3, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
+    # v4: rows of >= 256 tokens attend in causal query chunks (float rounding differs from v3's)
+    return {"v": 4, "model": dataclasses.asdict(cfg.model), "model_config": resolved,
             "env": _env_key(cfg),
             # max_batch_tokens only when set: the caches written before it existed stay valid
             "warm_start": {k: v for k, v in dataclasses.asdict(cfg.warm_start).items()

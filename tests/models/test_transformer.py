@@ -176,3 +176,55 @@ def test_initial_weights_follow_initializer_range(std):
     for name in ("embed", "layers.q_proj", "layers.down_proj"):
         assert abs(float(jnp.std(params[name])) - std) < 0.1 * std, name
     assert bool(jnp.all(params["layers.attn_norm"] == 1.0))
+
+
+def test_causal_attention_in_chunks_equals_the_masked_attention():
+    """Query chunks that skip later keys: same values and gradients as the full causal mask (to the
+    float32 rounding of the scores, which ``attention`` keeps in float32), for a length that is not
+    a multiple of the chunk, with padding keys and a row of one real token."""
+    from jaxprm.models.transformer import attention, causal_attention
+
+    rng = np.random.default_rng(0)
+    B, T, H, K, hd = 3, 45, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, hd)), jnp.float32) for n in (H, K, K))
+    valid = jnp.asarray(np.arange(T)[None, :] < np.array([45, 30, 1])[:, None])
+    idx = jnp.arange(T)
+    mask = (idx[None, :, None] >= idx[None, None, :]) & valid[:, None, :]
+    w = jnp.asarray(rng.standard_normal((B, T, H, hd)), jnp.float32)
+
+    def full(q, k, v):
+        return attention(q, k, v, mask)
+
+    g_full = jax.grad(lambda *a: (full(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    for chunk in (8, 16, 45, 64):
+        def chunked(q, k, v, chunk=chunk):
+            return causal_attention(q, k, v, valid, chunk)
+
+        np.testing.assert_allclose(chunked(q, k, v), full(q, k, v), rtol=1e-5, atol=1e-6)
+        g_chunk = jax.grad(lambda *a: (chunked(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(g_chunk, g_full):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_forward_uses_the_chunks_and_matches_the_mask(monkeypatch):
+    """A cache-free forward of T >= 2 * CAUSAL_CHUNK runs causal_attention; its logits equal the
+    masked path's (chunking off) to float32 rounding."""
+    import jaxprm.models.transformer as tr
+
+    config = _config("llama")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    B, T = 2, 40
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)
+    positions = jnp.asarray(np.where(np.arange(T)[None] < np.array([[40], [25]]), np.arange(T)[None], -1), jnp.int32)
+    calls = []
+    original = tr.causal_attention
+    monkeypatch.setattr(tr, "causal_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(tr, "CAUSAL_CHUNK", 8)
+    chunked = model(tokens, positions)[0]
+    assert calls, "T >= 2 * CAUSAL_CHUNK must take the chunked path"
+    monkeypatch.setattr(tr, "CAUSAL_CHUNK", 1000)
+    masked = model(tokens, positions)[0]
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(chunked)[0], np.asarray(masked)[0], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(chunked)[1, :25], np.asarray(masked)[1, :25], atol=2e-5)
