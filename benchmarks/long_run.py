@@ -34,8 +34,11 @@ SMALL = [
 ]
 
 
-def flatness(rows: list[dict], warmup: int) -> dict:
-    """Per key: first/last value after warm-up, range, and the least-squares slope per 100 steps."""
+def flatness(rows: list[dict], warmup: int, block: int = 50) -> dict:
+    """Per key, over the steps from ``warmup`` on: first/last value, range, the least-squares slope
+    per 100 steps, and the means of consecutive whole ``block``-step blocks (``block_means``: a leak
+    keeps raising them; RSS that swings by hundreds of MB from step to step can tilt a fitted slope
+    without any block mean rising)."""
     out = {}
     for key in KEYS:
         pts = np.array([(r["step"], r[key]) for r in rows if r["step"] >= warmup and r.get(key) is not None], float)
@@ -43,8 +46,9 @@ def flatness(rows: list[dict], warmup: int) -> dict:
             out[key] = None
             continue
         slope = np.polyfit(pts[:, 0], pts[:, 1], 1)[0]
+        blocks = [round(float(pts[i:i + block, 1].mean()), 1) for i in range(0, len(pts) - block + 1, block)]
         out[key] = {"after_warmup": pts[0, 1], "last": pts[-1, 1], "min": pts[:, 1].min(), "max": pts[:, 1].max(),
-                    "slope_per_100_steps": round(float(slope) * 100, 3)}
+                    "slope_per_100_steps": round(float(slope) * 100, 3), "block_means": blocks}
     return out
 
 
@@ -56,11 +60,14 @@ def _plot(result: dict, out: Path) -> None:
 
 def flatness_table(result: dict) -> str:
     """Markdown: per sample, its value after warm-up, last, min, max and fitted slope per 100 steps."""
-    lines = ["| sample | after warm-up | last | min | max | slope per 100 steps |", "|---|---|---|---|---|---|"]
+    lines = ["| sample | after warm-up | last | min | max | slope per 100 steps | 50-step block means, first / max / last |",
+             "|---|---|---|---|---|---|---|"]
     for key, f in result["flatness"].items():
         if f:
+            b = f.get("block_means") or []
+            blocks = f"{b[0]:g} / {max(b):g} / {b[-1]:g}" if b else "-"
             lines.append(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
-                         f"| {f['slope_per_100_steps']:g} |")
+                         f"| {f['slope_per_100_steps']:g} | {blocks} |")
     return "\n".join(lines)
 
 

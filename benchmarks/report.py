@@ -136,6 +136,20 @@ def headline() -> str:
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
                  f"{lc['own_p50_ms']:.2f} ms, p99 {lc['own_p99_ms']:.1f} ms", source("proxy_locust_cpu.json", lc)))
+    fr = load("first_run_cpu_precompile.json")
+    arms = "; ".join(f"background compiles {'on' if a['precompile'] else 'off'}: {a['total_s']:.0f} s (set-up "
+                     f"{a['setup_s']:.0f} s, run {a['run_s']:.0f} s, of it warm start {a['split_s']['warm_start']:.0f} s), "
+                     f"gain {a['gain_points']:+.1f} points" for a in fr["arms"])
+    rows.append((f"The README main command on a fresh clone with empty caches, set-up included (goal "
+                 f"{fr['goal_s'] / 60:.0f} minutes)", arms, source("first_run_cpu_precompile.json", fr)))
+    lr = load("long_run_cpu_default.json")
+    fl = lr["flatness"]
+    text = ", ".join(f"{label} {fl[k]['block_means'][0]:,.0f} -> {fl[k]['block_means'][-1]:,.0f} (fitted "
+                     f"{fl[k]['slope_per_100_steps']:+.1f} per 100 steps)" for k, label in (
+                         ("rss_mb", "RSS MB"), ("open_fds", "descriptors"), ("threads", "threads"),
+                         ("compiled_programs", "programs compiled")))
+    rows.append((f"{lr['steps']} steps of the default config: the trainer's health, first and last 50-step block "
+                 f"mean after step {lr['warmup']}", text, source("long_run_cpu_default.json", lr)))
     ch = load("chaos_cpu.json")
     faults = sum(c["faults"] for c in ch["campaigns"])
     lost = sum(c["steps_lost"] for c in ch["campaigns"])
@@ -404,7 +418,29 @@ def recipe_history() -> str:
     return "\n".join(lines) + f"\n\nFrom {source('recipe_cpu.json', data)}."
 
 
+def long_run() -> str:
+    """Per-step health after warm-up, each recorded long run a table (``benchmarks.long_run``)."""
+    from benchmarks.long_run import flatness_table
+
+    parts = []
+    for name, what in (("long_run_cpu_default.json", "the default config"),
+                       ("long_run_cpu.json", "the tests' small settings (`--small`)")):
+        data = load(name)
+        parts.append(f"{data['steps']} steps of {what}, after step {data['warmup']}, from {source(name, data)}:\n\n"
+                     + flatness_table(data))
+    return "\n\n".join(parts)
+
+
+def first_run() -> str:
+    """The README main command on a fresh clone, set-up included, per arm (``benchmarks.first_run``)."""
+    from benchmarks.first_run import table
+
+    data = load("first_run_cpu_precompile.json")
+    return table(data["arms"], data["goal_s"]) + f"\n\nFrom {source('first_run_cpu_precompile.json', data)}."
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "long-run": long_run, "first-run": first_run,
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
     "proxy-tools": proxy_tools, "gae-break-even": gae_break_even, "async-rl": async_rl,
     "recipe-history": recipe_history, "fuzz": fuzz, "kill-and-damage": kill_and_damage, "credit-default": credit_default, "credit-weak": credit_weak,
@@ -465,6 +501,12 @@ def figures() -> list[Path]:
         path = DOCS / "img" / name
         plot(data["runs"], path, f"{title} ({source(folder + '/results.json', data)})".replace("`", ""),
              data.get("token_budget") if data.get("budget") == "total" else None)
+        made.append(path)
+    from benchmarks.long_run import _plot
+
+    if (RESULTS / "long_run_cpu_default.json").is_file():
+        path = DOCS / "img" / "long_run_default.png"
+        _plot(load("long_run_cpu_default.json"), path)
         made.append(path)
     return made
 
