@@ -136,12 +136,15 @@ def headline() -> str:
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
                  f"{lc['own_p50_ms']:.2f} ms, p99 {lc['own_p99_ms']:.1f} ms", source("proxy_locust_cpu.json", lc)))
-    fr = load("first_run_cpu_precompile.json")
-    arms = "; ".join(f"background compiles {'on' if a['precompile'] else 'off'}: {a['total_s']:.0f} s (set-up "
-                     f"{a['setup_s']:.0f} s, run {a['run_s']:.0f} s, of it warm start {a['split_s']['warm_start']:.0f} s), "
-                     f"gain {a['gain_points']:+.1f} points" for a in fr["arms"])
+    runs, pre = [(n, load(n)) for n in FIRST_RUNS if (RESULTS / n).is_file()], load("first_run_cpu_precompile.json")
+    on_off = {b["precompile"]: b["total_s"] for b in pre["arms"]}
+    text = "; ".join(f"{a['total_s']:.0f} s (set-up {a['setup_s']:.0f} s, run {a['run_s']:.0f} s, of it warm start "
+                     f"{a['split_s']['warm_start']:.0f} s), gain {a['gain_points']:+.1f} points"
+                     for _, d in runs for a in d["arms"])
     rows.append((f"The README main command on a fresh clone with empty caches, set-up included (goal "
-                 f"{fr['goal_s'] / 60:.0f} minutes)", arms, source("first_run_cpu_precompile.json", fr)))
+                 f"{pre['goal_s'] / 60:.0f} minutes), {len(runs)} run(s)",
+                 f"{text}; before the chunked attention, background compiles on / off: {on_off[True]:.0f} / "
+                 f"{on_off[False]:.0f} s", ", ".join(source(n, d) for n, d in [*runs, ("first_run_cpu_precompile.json", pre)])))
     lr = load("long_run_cpu_default.json")
     fl = lr["flatness"]
     text = ", ".join(f"{label} {fl[k]['block_means'][0]:,.0f} -> {fl[k]['block_means'][-1]:,.0f} (fitted "
@@ -431,12 +434,20 @@ def long_run() -> str:
     return "\n\n".join(parts)
 
 
+#: the recorded first runs of the README command as it is (``benchmarks.first_run --arms on``)
+FIRST_RUNS = ("first_run_cpu.json", "first_run_cpu_repeat.json")
+
+
 def first_run() -> str:
     """The README main command on a fresh clone, set-up included, per arm (``benchmarks.first_run``)."""
     from benchmarks.first_run import table
 
-    data = load("first_run_cpu_precompile.json")
-    return table(data["arms"], data["goal_s"]) + f"\n\nFrom {source('first_run_cpu_precompile.json', data)}."
+    runs = [(n, load(n)) for n in FIRST_RUNS if (RESULTS / n).is_file()]
+    pre = load("first_run_cpu_precompile.json")
+    return (f"The README command as it is, {len(runs)} run(s) ({', '.join(source(n, d) for n, d in runs)}):\n\n"
+            + table([a for _, d in runs for a in d["arms"]], runs[0][1]["goal_s"])
+            + f"\n\nBackground compiles on and off, before the SFT's chunked attention "
+            f"({source('first_run_cpu_precompile.json', pre)}):\n\n" + table(pre["arms"], pre["goal_s"]))
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
