@@ -111,8 +111,13 @@ def headline() -> str:
     ll = load("learner_llm_cpu.json")
     ratios = {(r["mode"], r["rows"]): r["speed_ratio"] for r in ll["ratios"]}
     text = ", ".join(f"{m} {n} rows {ratios[(m, n)]:.2f}x" for m, n in sorted(ratios))
-    rows.append(("Learner step on SmolLM2-135M, tokens/s against PyTorch (eager + SDPA, peft LoRA)", text,
-                 source("learner_llm_cpu.json", ll)))
+    srcs = source("learner_llm_cpu.json", ll)
+    if (RESULTS / "learner_llm_cpu_chunked.json").is_file():
+        ch = load("learner_llm_cpu_chunked.json")
+        text += "; after the chunked causal attention " + ", ".join(
+            f"{r['mode']} {r['rows']} rows {r['speed_ratio']:.2f}x" for r in ch["ratios"])
+        srcs += ", " + source("learner_llm_cpu_chunked.json", ch)
+    rows.append(("Learner step on SmolLM2-135M, tokens/s against PyTorch (eager + SDPA, peft LoRA)", text, srcs))
     sv = load("serve_cpu_llamacpp.json")
     ours = sv["server"][0]["levels"][0]["tokens_per_s"]
     theirs = sv["llamacpp"]["levels"][0]["tokens_per_s"]
@@ -289,8 +294,17 @@ def serve_h200() -> str:
 
 
 def learner_llm() -> str:
-    """The learner on SmolLM2-135M against PyTorch, per cell (``benchmarks.learner_llm``)."""
-    data = load("learner_llm_cpu.json")
+    """The learner on SmolLM2-135M against PyTorch, per cell (``benchmarks.learner_llm``), then the
+    cell re-measured after the chunked causal attention."""
+    text = _learner_llm_table("learner_llm_cpu.json")
+    if (RESULTS / "learner_llm_cpu_chunked.json").is_file():
+        text += ("\n\nAfter the learner's rows attend in causal query chunks (`causal_attention`), one cell, both "
+                 "frameworks in the same run:\n\n" + _learner_llm_table("learner_llm_cpu_chunked.json"))
+    return text
+
+
+def _learner_llm_table(name: str) -> str:
+    data = load(name)
     by = {(c["framework"], c["mode"], c["rows"]): c for c in data["cells"]}
     lines = [f"| rows x {data['seq']} | mode | jax tokens/s | torch tokens/s | jax / torch | jax compile s "
              "| steps' peak RSS MB jax / torch | first loss jax / torch |", "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -303,7 +317,7 @@ def learner_llm() -> str:
             lines.append(f"| {rows} | {'LoRA' if mode == 'lora' else mode} | {j['tokens_per_s']:.0f} | "
                          f"{t['tokens_per_s']:.0f} | {j['tokens_per_s'] / t['tokens_per_s']:.2f}x | {comp} | "
                          f"{j['step_peak_rss_mb']:,.0f} / {t['step_peak_rss_mb']:,.0f} | {j['loss']:.6f} / {t['loss']:.6f} |")
-    return "\n".join(lines) + f"\n\nFrom {source('learner_llm_cpu.json', data)}."
+    return "\n".join(lines) + f"\n\nFrom {source(name, data)}."
 
 
 def serve_warmup() -> str:
