@@ -298,8 +298,8 @@ def learner_llm() -> str:
     cell re-measured after the chunked causal attention."""
     text = _learner_llm_table("learner_llm_cpu.json")
     if (RESULTS / "learner_llm_cpu_chunked.json").is_file():
-        text += ("\n\nAfter the learner's rows attend in causal query chunks (`causal_attention`), one cell, both "
-                 "frameworks in the same run:\n\n" + _learner_llm_table("learner_llm_cpu_chunked.json"))
+        text += ("\n\nAfter the learner's rows attend in causal query chunks (`causal_attention`), the 8-row cells, "
+                 "both frameworks in the same run:\n\n" + _learner_llm_table("learner_llm_cpu_chunked.json"))
     return text
 
 
