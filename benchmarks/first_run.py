@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.provenance import result_path, write_result
+from benchmarks.provenance import git, result_path, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,12 +56,14 @@ def fresh_env(home: Path) -> dict[str, str]:
     return env
 
 
-def run_arm(precompile: bool, work: Path, overrides: list[str]) -> dict:
-    """One first run in ``work`` (clone, venv, install, train); its timings, split and gain."""
+def run_arm(commit: str, precompile: bool, work: Path, overrides: list[str]) -> dict:
+    """One first run of ``commit`` in ``work`` (clone, venv, install, train); its timings, split and gain."""
     repo, home, log = work / "repo", work / "home", work / "log.txt"
     home.mkdir(parents=True)
     env = fresh_env(home)
+    # a clone of a git worktree gets the main checkout's branch: check out the commit this process runs
     subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "checkout", "-q", commit], check=True)
     venv = _timed(["python3", "-m", "venv", ".venv"], cwd=repo, env=env, log=log)
     pip = _timed([str(repo / ".venv/bin/pip"), "install", "-q", "-e", "."], cwd=repo, env=env, log=log)
     run = _timed([str(repo / ".venv/bin/python"), "-m", "jaxprm.train", f"compile_cache.precompile={str(precompile).lower()}",
@@ -106,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value passed to the run (none: the README's command)")
     args = ap.parse_args(argv)
     args.json = args.json or result_path("first_run")
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                      text=True).stdout.strip():
+    commit = git("rev-parse", "HEAD")
+    if git("status", "--porcelain", "--untracked-files=no"):
         print("note: the working tree has uncommitted changes; the clone runs the last commit", file=sys.stderr)
     arms = []
     with tempfile.TemporaryDirectory(prefix="jaxprm-first-run-") as tmp:
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, arm in enumerate(args.arms):
             work = base / f"{i}-precompile-{arm}"
             print(f"arm {i + 1}/{len(args.arms)}: background compiles {arm} ({work})", flush=True)
-            arms.append(run_arm(arm == "on", work, args.overrides))
+            arms.append(run_arm(commit, arm == "on", work, args.overrides))
             print(json.dumps(arms[-1]), flush=True)
     result = {"benchmark": "first_run", "goal_s": args.goal_s, "overrides": args.overrides, "arms": arms}
     write_result(args.json, result)

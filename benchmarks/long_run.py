@@ -52,7 +52,8 @@ def flatness(rows: list[dict], warmup: int, block: int = 50) -> dict:
     return out
 
 
-def _plot(result: dict, out: Path) -> None:
+def plot(result: dict, out: Path) -> None:
+    """The four samples against the step, drawn from ``result`` (a ``long_run`` JSON)."""
     from jaxprm.train.plots import health_figure
 
     health_figure([{"kind": "train", **r} for r in result["series"]], out)
@@ -64,7 +65,7 @@ def flatness_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for key, f in result["flatness"].items():
         if f:
-            b = f.get("block_means") or []
+            b = f["block_means"]
             blocks = f"{b[0]:g} / {max(b):g} / {b[-1]:g}" if b else "-"
             lines.append(f"| {key} | {f['after_warmup']:g} | {f['last']:g} | {f['min']:g} | {f['max']:g} "
                          f"| {f['slope_per_100_steps']:g} | {blocks} |")
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.plot.read_text())
         result["warmup"], result["flatness"] = args.warmup, flatness(result["series"], args.warmup)
         args.plot.write_text(json.dumps(result, indent=1))  # not write_result: the file keeps its run's provenance
-        _plot(result, args.plot.with_suffix(".png"))
+        plot(result, args.plot.with_suffix(".png"))
         _print(result)
         return 0
     from jaxprm.train.rundir import read_metrics
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               "small": args.small, "overrides": args.overrides, "run_dir": str(run),
               "flatness": flatness(series, args.warmup), "series": series}
     write_result(args.json, result)
-    _plot(result, args.json.with_suffix(".png"))
+    plot(result, args.json.with_suffix(".png"))
     _print(result)
     print(f"wrote {args.json} and {args.json.with_suffix('.png')}")
     return 0

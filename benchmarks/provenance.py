@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["device_name", "gpu_model", "provenance", "result_path", "write_result"]
+__all__ = ["device_name", "git", "gpu_model", "provenance", "result_path", "write_result"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _git(*args: str) -> str:
+def git(*args: str) -> str:
+    """``git ARGS`` in this checkout, its stripped stdout (empty when git fails)."""
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -89,8 +90,8 @@ def provenance(argv: list[str] | None = None, *, config: dict | None = None) -> 
 
     argv = sys.argv if argv is None else argv
     out = {
-        "commit": _git("rev-parse", "HEAD") or None,
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
         "command": " ".join(["python", "-m", _module(argv[0]) if argv else "?", *argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "memory_gib": _memory_gib(),

@@ -111,13 +111,11 @@ def headline() -> str:
     ll = load("learner_llm_cpu.json")
     ratios = {(r["mode"], r["rows"]): r["speed_ratio"] for r in ll["ratios"]}
     text = ", ".join(f"{m} {n} rows {ratios[(m, n)]:.2f}x" for m, n in sorted(ratios))
-    srcs = source("learner_llm_cpu.json", ll)
-    if (RESULTS / "learner_llm_cpu_chunked.json").is_file():
-        ch = load("learner_llm_cpu_chunked.json")
-        text += "; after the chunked causal attention " + ", ".join(
-            f"{r['mode']} {r['rows']} rows {r['speed_ratio']:.2f}x" for r in ch["ratios"])
-        srcs += ", " + source("learner_llm_cpu_chunked.json", ch)
-    rows.append(("Learner step on SmolLM2-135M, tokens/s against PyTorch (eager + SDPA, peft LoRA)", text, srcs))
+    ch = load("learner_llm_cpu_chunked.json")
+    text += "; after the chunked causal attention " + ", ".join(
+        f"{r['mode']} {r['rows']} rows {r['speed_ratio']:.2f}x" for r in ch["ratios"])
+    rows.append(("Learner step on SmolLM2-135M, tokens/s against PyTorch (eager + SDPA, peft LoRA)", text,
+                 f"{source('learner_llm_cpu.json', ll)}, {source('learner_llm_cpu_chunked.json', ch)}"))
     sv = load("serve_cpu_llamacpp.json")
     ours = sv["server"][0]["levels"][0]["tokens_per_s"]
     theirs = sv["llamacpp"]["levels"][0]["tokens_per_s"]
@@ -125,8 +123,6 @@ def headline() -> str:
                  f"{ours:.1f} against {theirs:.1f} tok/s ({ours / theirs:.2f}x)", source("serve_cpu_llamacpp.json", sv)))
     texts, sources = [], []
     for name in ("proxy_rollout_time_cpu.json", "proxy_rollout_time_cpu_repeat.json"):
-        if not (RESULTS / name).is_file():
-            continue
         pr = load(name)
         r, rp = pr["summary"]["rollout_time_ratio"], pr["summary"].get("rollout_time_ratio_agent_processes")
         text = f"tree {r['tree_s'][0]:.1f} s, agents in the trainer's process {r['agent_s'][0]:.1f} s ({r['agent_over_tree'][0]:.2f}x)"
@@ -141,7 +137,7 @@ def headline() -> str:
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
                  f"{lc['own_p50_ms']:.2f} ms, p99 {lc['own_p99_ms']:.1f} ms", source("proxy_locust_cpu.json", lc)))
-    runs, pre = [(n, load(n)) for n in FIRST_RUNS if (RESULTS / n).is_file()], load("first_run_cpu_precompile.json")
+    runs, pre = [(n, load(n)) for n in FIRST_RUNS], load("first_run_cpu_precompile.json")
     on_off = {b["precompile"]: b["total_s"] for b in pre["arms"]}
     text = "; ".join(f"{a['total_s']:.0f} s (set-up {a['setup_s']:.0f} s, run {a['run_s']:.0f} s, of it warm start "
                      f"{a['split_s']['warm_start']:.0f} s), gain {a['gain_points']:+.1f} points"
@@ -296,11 +292,9 @@ def serve_h200() -> str:
 def learner_llm() -> str:
     """The learner on SmolLM2-135M against PyTorch, per cell (``benchmarks.learner_llm``), then the
     cell re-measured after the chunked causal attention."""
-    text = _learner_llm_table("learner_llm_cpu.json")
-    if (RESULTS / "learner_llm_cpu_chunked.json").is_file():
-        text += ("\n\nAfter the learner's rows attend in causal query chunks (`causal_attention`), the 8-row cells, "
-                 "both frameworks in the same run:\n\n" + _learner_llm_table("learner_llm_cpu_chunked.json"))
-    return text
+    return (_learner_llm_table("learner_llm_cpu.json") + "\n\nAfter the learner's rows attend in causal query "
+            "chunks (`causal_attention`), the 8-row cells, both frameworks in the same run:\n\n"
+            + _learner_llm_table("learner_llm_cpu_chunked.json"))
 
 
 def _learner_llm_table(name: str) -> str:
@@ -456,7 +450,7 @@ def first_run() -> str:
     """The README main command on a fresh clone, set-up included, per arm (``benchmarks.first_run``)."""
     from benchmarks.first_run import table
 
-    runs = [(n, load(n)) for n in FIRST_RUNS if (RESULTS / n).is_file()]
+    runs = [(n, load(n)) for n in FIRST_RUNS]
     pre = load("first_run_cpu_precompile.json")
     return (f"The README command as it is, {len(runs)} run(s) ({', '.join(source(n, d) for n, d in runs)}):\n\n"
             + table([a for _, d in runs for a in d["arms"]], runs[0][1]["goal_s"])
@@ -527,13 +521,11 @@ def figures() -> list[Path]:
         plot(data["runs"], path, f"{title} ({source(folder + '/results.json', data)})".replace("`", ""),
              data.get("token_budget") if data.get("budget") == "total" else None)
         made.append(path)
-    from benchmarks.long_run import _plot
+    from benchmarks.long_run import plot as health_plot
 
-    if (RESULTS / "long_run_cpu_default.json").is_file():
-        path = DOCS / "img" / "long_run_default.png"
-        _plot(load("long_run_cpu_default.json"), path)
-        made.append(path)
-    return made
+    path = DOCS / "img" / "long_run_default.png"
+    health_plot(load("long_run_cpu_default.json"), path)
+    return [*made, path]
 
 
 def main(argv: list[str] | None = None) -> int:
