@@ -133,6 +133,15 @@ def headline() -> str:
     rows.append(("An OpenAI-SDK agent through the recording proxy against the tree path, same samples: "
                  "rollout time over 10 steps (`agent.processes=1` for a process of their own), "
                  f"{len(texts)} run(s)", "; ".join(texts), ", ".join(sources)))
+    texts, sources = [], []
+    for label, name in AGENT_LEARNING:
+        data = load(name)
+        runs = sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"])
+        texts.append(f"{label.split(' (')[0]}: " + _gain_text([100 * (r["success"][-1] - r["success"][0]) for r in runs]))
+        sources.append(source(name, data))
+    rows.append(("Agents trained through the recording proxy on FrozenLake, 20 steps: held-out success gain, "
+                 "a chat agent and a tool-calling agent (`move(direction)` calls), 3 seeds each",
+                 "; ".join(texts), ", ".join(sources)))
     lc = load("proxy_locust_cpu.json")
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
@@ -338,6 +347,33 @@ def proxy_tools() -> str:
     return "\n".join(lines) + f"\n\nms per turn. From {source('proxy_cpu_tools.json', data)}."
 
 
+#: the chat and the tool-calling agent trained through the proxy, same settings otherwise (issue 38)
+AGENT_LEARNING = (("chat (`configs/agent_frozenlake.yaml`)", "proxy_learning_cpu_chat.json"),
+                  ("tool calls (`configs/agent_frozenlake_tools.yaml`)", "proxy_learning_cpu_tools.json"))
+
+
+def agent_learning() -> str:
+    """Held-out success of the chat and the tool-calling agent trained through the proxy, per seed
+    and eval step, the gain's mean ± std (``benchmarks.proxy_learning --arms agent``)."""
+    lines = ["| agent | seed | held-out success by step | gain, points | greedy first -> last | invalid answers | "
+             "generated tokens | run s |", "|---|---|---|---|---|---|---|---|"]
+    sources = []
+    for label, name in AGENT_LEARNING:
+        data = load(name)
+        sources.append(source(name, data))
+        runs = sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"])
+        for r in runs:
+            curve = " / ".join(f"{100 * v:.1f}" for v in r["success"])
+            lines.append(f"| {label} | {r['seed']} | {curve} | {100 * (r['success'][-1] - r['success'][0]):+.1f} | "
+                         f"{100 * r['greedy'][0]:.1f} -> {100 * r['greedy'][-1]:.1f} | "
+                         f"{100 * r['invalid_rate_mean']:.1f}% | {r['generated_tokens']:,} | {r['wall_s']:.0f} |")
+        m, s = mean_std([100 * (r["success"][-1] - r["success"][0]) for r in runs])
+        lines.append(f"| {label} | mean ± std | | **{m:+.1f} ± {s:.1f}** | | | | |")
+    steps = load(AGENT_LEARNING[0][1])["runs"][0]["steps"]
+    return "\n".join(lines) + (f"\n\nHeld-out sampled success (64 maps x 4 samples) at steps {', '.join(map(str, steps))}, "
+                               f"in points; run seconds include the warm start. From {' and '.join(sources)}.")
+
+
 def gae_break_even() -> str:
     """GAE's scan and associative methods, milliseconds, on the H200 and this CPU (``benchmarks.kernels --break-even``)."""
     gpu, cpu = load("gae_break_even_h200.json"), load("gae_break_even_cpu.json")
@@ -461,7 +497,7 @@ def first_run() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {
     "long-run": long_run, "first-run": first_run,
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
-    "proxy-tools": proxy_tools, "gae-break-even": gae_break_even, "async-rl": async_rl,
+    "proxy-tools": proxy_tools, "agent-learning": agent_learning, "gae-break-even": gae_break_even, "async-rl": async_rl,
     "recipe-history": recipe_history, "fuzz": fuzz, "kill-and-damage": kill_and_damage, "credit-default": credit_default, "credit-weak": credit_weak,
     "headline": headline, "sokoban": sokoban, "chaos": chaos,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
