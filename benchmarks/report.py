@@ -355,7 +355,7 @@ AGENT_LEARNING = (("chat (`configs/agent_frozenlake.yaml`)", "proxy_learning_cpu
 def agent_learning() -> str:
     """Held-out success of the chat and the tool-calling agent trained through the proxy, per seed
     and eval step, the gain's mean ± std (``benchmarks.proxy_learning --arms agent``)."""
-    lines = ["| agent | seed | held-out success by step | gain, points | greedy first -> last | invalid answers | "
+    lines = ["| agent | seed | held-out success by step | gain, points | greedy first -> last | invalid answers (train) | "
              "generated tokens | run s |", "|---|---|---|---|---|---|---|---|"]
     sources = []
     for label, name in AGENT_LEARNING:
