@@ -133,15 +133,11 @@ def headline() -> str:
     rows.append(("An OpenAI-SDK agent through the recording proxy against the tree path, same samples: "
                  "rollout time over 10 steps (`agent.processes=1` for a process of their own), "
                  f"{len(texts)} run(s)", "; ".join(texts), ", ".join(sources)))
-    texts, sources = [], []
-    for label, name in AGENT_LEARNING:
-        data = load(name)
-        runs = sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"])
-        texts.append(f"{label.split(' (')[0]}: " + _gain_text([100 * (r["success"][-1] - r["success"][0]) for r in runs]))
-        sources.append(source(name, data))
+    agents = _agent_learning_runs()
     rows.append(("Agents trained through the recording proxy on FrozenLake, 20 steps: held-out success gain, "
                  "a chat agent and a tool-calling agent (`move(direction)` calls), 3 seeds each",
-                 "; ".join(texts), ", ".join(sources)))
+                 "; ".join(f"{a['agent']}: {_gain_text(a['gains'])}" for a in agents),
+                 ", ".join(a["source"] for a in agents)))
     lc = load("proxy_locust_cpu.json")
     rows.append((f"The proxy under locust: {lc['agents']} SDK agents x {lc['turns_per_agent']} turns",
                  f"{lc['rows_not_matching']} of {lc['rows']} rows lost or wrong; proxy's own time p50 "
@@ -347,9 +343,23 @@ def proxy_tools() -> str:
     return "\n".join(lines) + f"\n\nms per turn. From {source('proxy_cpu_tools.json', data)}."
 
 
-#: the chat and the tool-calling agent trained through the proxy, same settings otherwise (issue 38)
-AGENT_LEARNING = (("chat (`configs/agent_frozenlake.yaml`)", "proxy_learning_cpu_chat.json"),
-                  ("tool calls (`configs/agent_frozenlake_tools.yaml`)", "proxy_learning_cpu_tools.json"))
+#: (agent, config, JSON): the chat and the tool-calling agent trained through the proxy, same
+#: settings otherwise (issue 38, ``benchmarks.proxy_learning --arms agent``)
+AGENT_LEARNING = (("chat", "configs/agent_frozenlake.yaml", "proxy_learning_cpu_chat.json"),
+                  ("tool calls", "configs/agent_frozenlake_tools.yaml", "proxy_learning_cpu_tools.json"))
+
+
+def _agent_learning_runs() -> list[dict]:
+    """Per :data:`AGENT_LEARNING` entry: its label, source, runs by seed and gains in points (the
+    JSON's own per-seed ``summary.agent.gain``)."""
+    out = []
+    for agent, config, name in AGENT_LEARNING:
+        data = load(name)
+        out.append({"agent": agent, "label": f"{agent} (`{config}`)", "source": source(name, data),
+                    "runs": sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"]),
+                    "gains": [100 * g for g in data["summary"]["agent"]["gain"]],
+                    "steps": data["summary"]["agent"]["steps"]})
+    return out
 
 
 def agent_learning() -> str:
@@ -357,21 +367,18 @@ def agent_learning() -> str:
     and eval step, the gain's mean ± std (``benchmarks.proxy_learning --arms agent``)."""
     lines = ["| agent | seed | held-out success by step | gain, points | greedy first -> last | invalid answers (train) | "
              "generated tokens | run s |", "|---|---|---|---|---|---|---|---|"]
-    sources = []
-    for label, name in AGENT_LEARNING:
-        data = load(name)
-        sources.append(source(name, data))
-        runs = sorted((r for r in data["runs"] if r["arm"] == "agent"), key=lambda r: r["seed"])
-        for r in runs:
+    agents = _agent_learning_runs()
+    for a in agents:
+        for r, gain in zip(a["runs"], a["gains"]):
             curve = " / ".join(f"{100 * v:.1f}" for v in r["success"])
-            lines.append(f"| {label} | {r['seed']} | {curve} | {100 * (r['success'][-1] - r['success'][0]):+.1f} | "
+            lines.append(f"| {a['label']} | {r['seed']} | {curve} | {gain:+.1f} | "
                          f"{100 * r['greedy'][0]:.1f} -> {100 * r['greedy'][-1]:.1f} | "
                          f"{100 * r['invalid_rate_mean']:.1f}% | {r['generated_tokens']:,} | {r['wall_s']:.0f} |")
-        m, s = mean_std([100 * (r["success"][-1] - r["success"][0]) for r in runs])
-        lines.append(f"| {label} | mean ± std | | **{m:+.1f} ± {s:.1f}** | | | | |")
-    steps = load(AGENT_LEARNING[0][1])["runs"][0]["steps"]
-    return "\n".join(lines) + (f"\n\nHeld-out sampled success (64 maps x 4 samples) at steps {', '.join(map(str, steps))}, "
-                               f"in points; run seconds include the warm start. From {' and '.join(sources)}.")
+        m, s = mean_std(a["gains"])
+        lines.append(f"| {a['label']} | mean ± std | | **{m:+.1f} ± {s:.1f}** | | | | |")
+    return "\n".join(lines) + (f"\n\nHeld-out sampled success (64 maps x 4 samples) at steps "
+                               f"{', '.join(map(str, agents[0]['steps']))}, in points; run seconds include the warm "
+                               f"start. From {' and '.join(a['source'] for a in agents)}.")
 
 
 def gae_break_even() -> str:
