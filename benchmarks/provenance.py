@@ -82,16 +82,26 @@ def result_path(bench: str, variant: str | None = None) -> Path:
     return ROOT / "benchmarks" / "results" / f"{bench}_{device_name()}{'_' + variant if variant else ''}.json"
 
 
+#: where a tree copied without its ``.git`` learns its commit (``benchmarks/lent_gpu_prepare.sh`` writes it)
+COMMIT_ENV = "JAXPRM_COMMIT"
+
+
 def provenance(argv: list[str] | None = None, *, config: dict | None = None) -> dict:
     """``{"commit", "dirty", "command", "machine", "date"}`` (and ``"config"``, the resolved config
-    of the run, when given) for the running benchmark."""
+    of the run, when given) for the running benchmark. Outside a git checkout the commit is
+    ``$JAXPRM_COMMIT`` (set by whoever copied the tree; ``dirty`` is then unknown: ``None``), else
+    ``None``."""
     import jax
     import jaxlib
 
     argv = sys.argv if argv is None else argv
+    commit = git("rev-parse", "HEAD")
+    dirty: bool | None = bool(git("status", "--porcelain", "--untracked-files=no"))
+    if not commit:  # a copy of the tree without .git (a lent GPU machine): the commit it was copied from
+        commit, dirty = os.environ.get(COMMIT_ENV, "").strip(), None
     out = {
-        "commit": git("rev-parse", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": commit or None,
+        "dirty": dirty,
         "command": " ".join(["python", "-m", _module(argv[0]) if argv else "?", *argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_model": _cpu_model(), "cpus": os.cpu_count(), "memory_gib": _memory_gib(),

@@ -37,3 +37,16 @@ def test_results_are_named_bench_device_variant(monkeypatch):
     assert device_name() == "cpu"
     assert result_path("serve") == ROOT / "benchmarks" / "results" / "serve_cpu.json"
     assert result_path("proxy_learning", "tools").name == "proxy_learning_cpu_tools.json"
+
+
+def test_a_tree_without_git_takes_its_commit_from_the_environment(monkeypatch):
+    """A lent GPU machine gets the working tree without ``.git``: the commit it was copied from
+    comes from ``$JAXPRM_COMMIT`` (``benchmarks/lent_gpu_prepare.sh``), cleanliness unknown."""
+    import benchmarks.provenance as prov
+
+    monkeypatch.setattr(prov, "git", lambda *args: "")
+    monkeypatch.delenv(prov.COMMIT_ENV, raising=False)
+    assert prov.provenance()["commit"] is None
+    monkeypatch.setenv(prov.COMMIT_ENV, "0123abcd" * 5 + "\n")
+    r = prov.provenance()
+    assert r["commit"] == "0123abcd" * 5 and r["dirty"] is None
