@@ -207,6 +207,7 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
         "greedy": [r.get("greedy_success") for r in ev],
         "response_tokens": [r.get("response_tokens") for r in ev],
         "turns": [r.get("turns") for r in ev],
+        "dead_rate": [r.get("dead_rate") for r in ev],  # Sokoban's: episodes that end in a dead state
         "tokens_per_step": mean("generated_tokens"),
         "trajectories_per_step": mean("trajectories"),
         "actions_per_step": mean("sampled_actions"),
@@ -235,12 +236,13 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     per-seed values and the spending per step."""
     out = {}
     for variant, runs in results.items():
-        last = lambda key: [r[key][-1] for r in runs]  # noqa: E731
+        last = lambda key: [(r.get(key) or [None])[-1] for r in runs]  # noqa: E731
         gain = [r["success"][-1] - r["success"][0] for r in runs]
         out[variant] = {
             "seeds": len(runs),
             "success": _ms(last("success")), "pass_at_4": _ms(last("pass_at_4")), "greedy": _ms(last("greedy")),
             "response_tokens": _ms(last("response_tokens")), "turns": _ms(last("turns")), "gain": _ms(gain),
+            "dead_rate": _ms(last("dead_rate")),
             "success_per_seed": last("success"), "gain_per_seed": gain,
             "curve_mean": float(np.mean([np.mean(r["success"]) for r in runs])),
             **{k: float(np.mean([r.get(k, math.nan) for r in runs])) for k in (  # nan: an older run lacks it
@@ -251,23 +253,24 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
-def table(summary: dict[str, dict], title: str) -> str:
-    """The markdown table: ours (percent, mean ± std over seeds) beside the paper's numbers."""
+def table(summary: dict[str, dict], title: str, *, paper: bool = True) -> str:
+    """The markdown table: ours (percent, mean ± std over seeds) beside the paper's numbers
+    (``paper``: FrozenLake only); a dead-state column where the environment records one (Sokoban)."""
     pct = lambda m: f"{100 * m[0]:.1f} ± {100 * m[1]:.1f}"  # noqa: E731
-    lines = [f"**{title}**", "",
-             "| method | success | pass@4 | resp. tokens | turns | greedy | gain | tasks/step | tokens/step "
-             "| traj./step | actions/step | mixed groups | expanded / pruned per step "
-             "| paper succ. / pass@4 / RLen / turns |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dead = any(not math.isnan(s.get("dead_rate", (math.nan,))[0]) for s in summary.values())
+    head = ["method", "success", "pass@4", "resp. tokens", "turns", "greedy", "gain", *(["dead states"] if dead else []),
+            "tasks/step", "tokens/step", "traj./step", "actions/step", "mixed groups", "expanded / pruned per step",
+            *(["paper succ. / pass@4 / RLen / turns"] if paper else [])]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for v, s in summary.items():
-        paper = PAPER.get(v)
-        ref = " / ".join(str(x) for x in paper) if paper else "—"
-        lines.append(
-            f"| {v} ({s['seeds']} seeds) | {pct(s['success'])} | {pct(s['pass_at_4'])} | {s['response_tokens'][0]:.1f} "
-            f"| {s['turns'][0]:.2f} | {pct(s['greedy'])} | {100 * s['gain'][0]:+.1f} ± {100 * s['gain'][1]:.1f} "
-            f"| {s['tasks_per_step']:.0f} | {s['tokens_per_step']:.0f} | {s['trajectories_per_step']:.0f} "
-            f"| {s['actions_per_step']:.0f} | {100 * s['mixed_groups']:.0f}% "
-            f"| {s['expanded_per_step']:.1f} / {s['pruned_per_step']:.1f} | {ref} |")
+        ref = " / ".join(str(x) for x in PAPER[v]) if v in PAPER else "—"
+        cells = [f"{v} ({s['seeds']} seeds)", pct(s["success"]), pct(s["pass_at_4"]), f"{s['response_tokens'][0]:.1f}",
+                 f"{s['turns'][0]:.2f}", pct(s["greedy"]), f"{100 * s['gain'][0]:+.1f} ± {100 * s['gain'][1]:.1f}",
+                 *([pct(s["dead_rate"])] if dead else []),
+                 f"{s['tasks_per_step']:.0f}", f"{s['tokens_per_step']:.0f}", f"{s['trajectories_per_step']:.0f}",
+                 f"{s['actions_per_step']:.0f}", f"{100 * s['mixed_groups']:.0f}%",
+                 f"{s['expanded_per_step']:.1f} / {s['pruned_per_step']:.1f}", *([ref] if paper else [])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -365,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {v: [r for r in results[v] if r is not None] for v in VARIANTS if v in results}
     summary = summarize(results)
     what = f"equal {args.budget} per step" if args.budget != "total" else f"equal sampled tokens ({budget} a run)"
-    title = args.title or f"FrozenLake {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, {what}"
-    md = table(summary, title)
+    env = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("env.name=")), "frozenlake")
+    title = args.title or f"{env} {' '.join(args.overrides) or 'default'}, {len(args.seeds)} seeds, {what}"
+    md = table(summary, title, paper=env == "frozenlake")  # the paper's numbers are FrozenLake's
     paired = paired_against(results)
     if paired:
         from benchmarks.paired import format_comparison

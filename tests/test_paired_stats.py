@@ -78,3 +78,23 @@ def test_frozenlake_names_the_pairs_whose_warm_starts_differ():
     results = {"grpo": [run(0, 0.6, "a"), run(1, 0.7, "b"), run(2, 0.5, None)],
                "patr": [run(0, 0.8, "a"), run(1, 0.7, "B"), run(2, 0.6, "c")]}  # seed 2: one digest unknown
     assert paired_against(results)["patr"]["warm_start_differs"] == [1]
+
+
+def test_the_table_on_sokoban_shows_dead_states_and_not_the_papers_frozenlake_numbers():
+    from benchmarks.frozenlake import summarize, table
+
+    def run(seed, last, dead):
+        return {"seed": seed, "success": [0.4, last], "pass_at_4": [0.5, 0.6], "greedy": [0.4, 0.5],
+                "response_tokens": [4.0, 4.0], "turns": [5.0, 5.0], "dead_rate": dead}
+
+    sokoban = summarize({"grpo": [run(0, 0.6, [0.2, 0.1]), run(1, 0.7, [0.2, 0.3])]})
+    assert sokoban["grpo"]["dead_rate"] == pytest.approx((0.2, 0.1414213))
+    md = table(sokoban, "sokoban", paper=False)
+    head, row = md.splitlines()[2], md.splitlines()[4]
+    assert "dead states" in head and "paper" not in head and "| 20.0 ± 14.1 |" in row
+    assert head.count("|") == row.count("|")
+    # FrozenLake's runs record no dead states (older ones no key at all): no column, the paper's numbers
+    frozen = summarize({"grpo": [{**run(0, 0.6, [None, None])}, {k: v for k, v in run(1, 0.7, []).items()
+                                                                 if k != "dead_rate"}]})
+    md = table(frozen, "frozenlake")
+    assert "dead states" not in md and "66.5 / 67.0 / 513 / 3.4" in md
