@@ -24,7 +24,7 @@ import jaxprm
 from jaxprm.train import adapters, multihost
 from jaxprm.train.compilation import BackgroundCompiler
 from jaxprm.train.config import TrainConfig
-from jaxprm.train.packed import (MIN_SHARING, PackedTrainStep, packed_reference_logprobs, packed_row_buckets,
+from jaxprm.train.packed import (PackedTrainStep, layout_costs, packed_reference_logprobs, packed_row_buckets,
                                  packed_step_inputs, precompile_neighbours)
 from jaxprm.train.policy import Policy
 from jaxprm.train.step import TrainStep, make_optimizer, reference_logprobs, shard_params, step_inputs
@@ -125,14 +125,16 @@ class Learner:
 
     def _learn_packed(self, groups, step: int) -> dict[str, float]:
         """``rollout.export: tree_packed``: the groups exported flat (for ``compute_advantages``) and
-        packed (for the model); a step whose groups share less than ``MIN_SHARING`` trains on the
-        flat rows."""
+        packed (for the model); the step trains on the packed rows when ``layout_costs`` estimates
+        them cheaper than the flat ones, else on the flat rows."""
         ppo = self.cfg.ppo
         batch, packed, meta = export_groups_packed(
             groups, row_buckets=(self.capacity,), len_buckets=tuple(ppo.len_buckets), min_rows=self.capacity,
             packed_row_buckets=packed_row_buckets(self.row_multiple), packed_len_buckets=tuple(ppo.packed_len_buckets))
         flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
-        use_packed = flat_tokens >= MIN_SHARING * packed_tokens
+        flat_cost, packed_cost = layout_costs(self.policy.config, batch.tokens.shape, packed.tokens.shape,
+                                              (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
+        use_packed = packed_cost < flat_cost
         batch = self._with_reference(batch, use_packed=use_packed, packed=packed)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         key = self._key(step)
@@ -155,7 +157,8 @@ class Learner:
         out = self._finish(m, batch, adv)
         out.update(packed_step=float(use_packed), rows=len(meta), packed_rows=int((packed.row_weights > 0).sum()),
                    packed_len=int(packed.tokens.shape[1]), packed_blocks=int(packed.query_blocks.shape[1]),
-                   forwarded_tokens=packed_tokens if use_packed else flat_tokens, flat_tokens=flat_tokens)
+                   forwarded_tokens=packed_tokens if use_packed else flat_tokens, flat_tokens=flat_tokens,
+                   packed_cost_ratio=packed_cost / flat_cost)
         return out
 
     def on_mesh(self, x: jax.Array) -> jax.Array:

@@ -11,10 +11,12 @@ Minibatches split packed rows (whole trees) instead of leaves; with one minibatc
 the update equals the flat one. Denominators: the minibatch's (token, leaf) pairs for
 ``token-mean``, its leaves with an active token for the seq-mean modes.
 
-The trainer's ``Learner`` (``jaxprm.train.learner``) steps with it for this export. When
-packing saves little (flat tokens / packed tokens below ``MIN_SHARING``, e.g. flat groups whose
-leaves share only the prompt) it trains that step on the flat rows instead: block-sparse attention
-costs gathers that only pay when tokens are actually shared.
+The trainer's ``Learner`` (``jaxprm.train.learner``) steps with it for this export when it is
+the cheaper layout for the step's shapes (``layout_costs``): packing forwards fewer tokens, but every
+attention block reads the keys of a whole root path (``R N Q S`` score entries against the flat
+rows' causal ``B T^2 / 2``-ish), through gathers and scatters. Flat groups whose leaves share only a
+short prompt (Sokoban: 1.4x fewer tokens packed, 1.3x more score entries) train on the flat rows;
+a small policy, whose step is mostly attention, packs only where trees share much.
 
 Each new packed shape (rows ``R``, attention blocks ``N``, key length ``S``) a step meets is a
 learner program (~4 s to compile on 2 CPU cores), and which shapes a run meets depends on its
@@ -37,9 +39,50 @@ from jaxprm.learner.packing import DEFAULT_BLOCK_BUCKETS, PackedBatch
 from jaxprm.train.step import TrainStep, jitted_for, minibatch_rows
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "packed_reference_logprobs", "packed_row_buckets",
-           "neighbour_shapes", "precompile_neighbours", "MIN_SHARING"]
+           "neighbour_shapes", "precompile_neighbours", "layout_costs", "flat_score_entries", "PACKED_OVERHEAD",
+           "SCORE_ENTRY_EXTRA"]
 
-MIN_SHARING = 1.25  # flat tokens / packed tokens below which a step trains on the flat rows
+#: the packed step's time per unit of work over the flat step's (block gathers and scatters, the
+#: transposed score layouts of the backward pass): 1.34x per score entry, 1.41x per token, fitted on the
+#: tiny policy's Sokoban- and FrozenLake-shaped steps on 2 CPU cores (2026-12-07)
+PACKED_OVERHEAD = 1.35
+#: flop-equivalents of one attention score entry (per head and layer, one forward) beyond the
+#: ``4 * head_dim`` of its two products: the masked softmax's passes over memory (same fit)
+SCORE_ENTRY_EXTRA = 64
+
+
+def flat_score_entries(rows: int, length: int) -> int:
+    """Score entries per head and layer of the flat forward of ``[rows, length]``: ``T^2`` per row,
+    or with causal query chunks (``T >= 2 * CAUSAL_CHUNK``, ``Transformer``) ``sum_a (e - a) e``
+    over the chunks ``[a, e)``."""
+    from jaxprm.models.transformer import CAUSAL_CHUNK
+
+    T = int(length)
+    if T < 2 * CAUSAL_CHUNK:
+        return rows * T * T
+    return rows * sum((min(a + CAUSAL_CHUNK, T) - a) * min(a + CAUSAL_CHUNK, T) for a in range(0, T, CAUSAL_CHUNK))
+
+
+def layout_costs(config, flat_shape: tuple[int, int], packed_shape: tuple[int, int],
+                 block_shape: tuple[int, int, int]) -> tuple[float, float]:
+    """``(flat, packed)`` estimated cost of one learner step on each layout, in flop-equivalents of
+    one forward (the backward and the epochs scale both alike):
+
+        cost = F_tok * tokens + F_entry * score_entries        (packed: times PACKED_OVERHEAD)
+        F_tok   = 2 (L * matmul params of a layer + V * D)
+        F_entry = L * H * (4 * head_dim + SCORE_ENTRY_EXTRA)
+
+    with ``tokens = B T`` (flat) or ``R L_packed`` (padding included: it is computed), and score
+    entries ``flat_score_entries(B, T)`` or ``R N Q S`` (``block_shape = (N, Q, S)``).
+    ``config`` is the policy's ``ModelConfig``."""
+    c = config
+    layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+    f_tok = 2.0 * (c.num_layers * layer + c.vocab_size * c.hidden_size)
+    f_entry = float(c.num_layers * c.num_heads * (4 * c.head_dim + SCORE_ENTRY_EXTRA))
+    (B, T), (R, L), (N, Q, S) = flat_shape, packed_shape, block_shape
+    flat = f_tok * B * T + f_entry * flat_score_entries(B, T)
+    packed = PACKED_OVERHEAD * (f_tok * R * L + f_entry * R * N * Q * S)
+    return flat, packed
 _ADV_KEYS = ("pos", "neg", "count", "n_pos", "n_neg")
 
 
