@@ -73,12 +73,13 @@ fi
 # SmolLM2 on FrozenLake, flat GRPO vs PaTR (the config's estimator for both), 2 seeds, all four runs
 # at once (16 cores, one GPU: each process takes a fifth of its memory); a run's steps and evals are
 # cut so that the four finish inside the section's share
-SMOLLM2_STEPS=${SMOLLM2_STEPS:-12}  # SMOLLM2_EXTRA: more overrides, key=value,key=value (a dry run on a CPU)
+# a dry run on a CPU: SMOLLM2_STEPS=1 SMOLLM2_SEEDS=0 SMOLLM2_PARALLEL=1 SMOLLM2_EXTRA=key=value,key=value
+SMOLLM2_STEPS=${SMOLLM2_STEPS:-12} SMOLLM2_SEEDS=${SMOLLM2_SEEDS:-0 1} SMOLLM2_PARALLEL=${SMOLLM2_PARALLEL:-4}
 if wants smollm2; then
   if GGUF=$($PY -m benchmarks.gpu_halves join $STASH .gpu_b .gpu/smollm2.gguf.sha256 /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 2>>"$LOG"); then
     CUT="model.name=$GGUF,steps=$SMOLLM2_STEPS,eval.every_steps=4,eval.num_tasks=32,checkpoint.every_steps=1000${SMOLLM2_EXTRA:+,$SMOLLM2_EXTRA}"
     section smollm2 95 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 $PY -m benchmarks.recipe \
-      --config configs/smollm2_frozenlake.yaml --seeds 0 1 --parallel 4 --out /tmp/smollm2_runs \
+      --config configs/smollm2_frozenlake.yaml --seeds $SMOLLM2_SEEDS --parallel $SMOLLM2_PARALLEL --out /tmp/smollm2_runs \
       --variant "flat=$CUT,rollout.strategy=flat" --variant "patr=$CUT" --json "$OUT/smollm2_gpu.json"
     # every run's metrics, also when the section was cut off before its JSON
     tar czf "$OUT/smollm2_runs.tgz" -C /tmp smollm2_runs --wildcards '*/metrics.jsonl' '*/config.yaml' \
