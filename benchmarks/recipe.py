@@ -88,6 +88,9 @@ def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) 
     return time.perf_counter() - t0
 
 
+_PHASES = ("rollout_s", "score_s", "learn_s", "sync_s", "compile_s", "step_s")
+
+
 def summarize(run_dir: Path) -> dict:
     """Eval curve, gain and the diagnostics of one finished run."""
     from jaxprm.train.rundir import read_metrics
@@ -110,6 +113,9 @@ def summarize(run_dir: Path) -> dict:
         "max_invalid_rate": max((r.get("invalid_rate", 0.0) for r in tr), default=0.0),
         "entropy": [r.get("entropy") for r in tr],
         "approx_kl_max": max((r.get("approx_kl", 0.0) for r in tr), default=0.0),
+        # where a train step's time went, mean over the steps (phases a run did not have are left out)
+        "seconds_per_step": {k.removesuffix("_s"): statistics.mean(r[k] for r in tr) for k in _PHASES
+                             if tr and all(k in r for r in tr)},
         "wall_s": summary.get("wall_s"),
     }
 
