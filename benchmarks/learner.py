@@ -8,6 +8,11 @@ Cases:
 * ``synthetic f=F``: ``--groups`` groups of ``--leaves`` leaves; each leaf is a shared prefix of
   ``P`` tokens (a 32-token prompt, then generated turns) plus its own ``--suffix`` generated tokens,
   with ``P`` chosen so that flat tokens / packed tokens = ``F`` exactly (``F = 1``: nothing shared).
+* ``prompt P, suffix A-B`` (``--prompt-cases P:A:B,...``): flat GRPO's shape, ``--groups`` groups
+  of ``--leaves`` leaves sharing only a ``P``-token prompt, each leaf's own tokens uniform in
+  ``[A, B)``, laid out with the trainer's buckets (``ppo.len_buckets``, ``ppo.packed_len_buckets``,
+  128 flat rows). These cases also report the learner's layout choice (``layout_costs``: the
+  estimated packed / flat cost) against the measured times.
 * ``patr default``: ``--patr-groups`` PaTR groups with the default trainer's rollout settings
   (4x4 FrozenLake, compact prompt, b0=4, k=5, m=2, top_k=2, 8 trajectories, refill) against the
   scripted navigator server (``rollout.testing``, test tokenizer); skipped with ``--no-patr``.
@@ -116,17 +121,45 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def prompt_rows(prompt: int, suffix: tuple[int, int], *, groups: int, leaves: int, vocab: int,
+                seed: int = 0) -> list[RowData]:
+    """Flat GRPO groups: ``leaves`` rows per group sharing a ``prompt``-token prefix (no loss on it),
+    then ``U[suffix)`` tokens of their own (a tenth of them trained on, like actions among observations)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for g in range(groups):
+        head = rng.integers(3, vocab, prompt)
+        for i in range(leaves):
+            own = rng.integers(3, vocab, int(rng.integers(*suffix)))
+            own[0] = 3 + i
+            toks = np.concatenate([head, own]).astype(np.int32)
+            mask = np.concatenate([np.zeros(prompt, np.float32), (rng.random(len(own)) < 0.1).astype(np.float32)])
+            rows.append(RowData(tokens=toks, loss_mask=mask, logprobs=(-rng.random(len(toks)) * mask).astype(np.float32),
+                                outcome_reward=float(rng.random() < 0.5), group_id=g))
+    return rows
+
+
 def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, epochs: int, minibatches: int,
-             micro_rows: int) -> dict[str, Any]:
+             micro_rows: int, trainer_buckets: bool = False) -> dict[str, Any]:
+    """Flat and packed step times on ``rows``; ``trainer_buckets``: lay them out as the trainer does
+    (its default length buckets, 128 flat rows) and report its layout choice."""
+    from jaxprm.train.packed import layout_costs
+    from jaxprm.train.schema import PPOConfig
+
     n_groups = len({r.group_id for r in rows})
-    flat = jaxprm.pad_rows(rows, len_buckets=LEN_BUCKETS, min_rows=minibatches * micro_rows)
-    packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=LEN_BUCKETS,
+    ppo = PPOConfig()
+    flat_len, packed_len = ((tuple(ppo.len_buckets), tuple(ppo.packed_len_buckets)) if trainer_buckets
+                            else (LEN_BUCKETS, LEN_BUCKETS))
+    flat = jaxprm.pad_rows(rows, len_buckets=flat_len, min_rows=128 if trainer_buckets else minibatches * micro_rows)
+    packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=packed_len,
                               row_buckets=packed_row_buckets(minibatches))
     adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True)).advantages
     loss_kw = {"eps_clip": 0.2, "agg": "token-mean"}
     flat_step = TrainStep(policy.apply_fn, optax.adamw(1e-4), jaxprm.policy_loss, epochs=epochs,
                           num_minibatches=minibatches, loss_kwargs=loss_kw, microbatch_rows=micro_rows)
-    packed_step = PackedTrainStep.like(flat_step, microbatch_tokens=micro_rows * flat.shape[1])
+    # the trainer's packed microbatch: micro_rows rows of its longest flat bucket
+    packed_step = PackedTrainStep.like(flat_step, microbatch_tokens=micro_rows * (
+        max(ppo.len_buckets) if trainer_buckets else flat.shape[1]))
     fd = step_inputs(flat, adv)
     pd = packed_step_inputs(packed, flat, adv, agg="token-mean")
     key = jax.random.key(0)
@@ -138,13 +171,17 @@ def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, ep
     flat_tokens = int(np.asarray(flat.seq_lens).sum())
     packed_tokens = int(np.asarray(packed.lengths).sum())
     ideal = flat_tokens / packed_tokens
+    flat_cost, packed_cost = layout_costs(policy.config, flat.shape, packed.shape,
+                                          (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
+    choice = {"estimated_packed_over_flat": packed_cost / flat_cost, "chosen": "packed" if packed_cost < flat_cost
+              else "flat", "faster": "packed" if t_pack < t_flat else "flat"} if trainer_buckets else {}
     return {
         "case": name, "groups": n_groups, "leaves": len(rows),
         "flat_tokens_per_group": flat_tokens / n_groups, "packed_tokens_per_group": packed_tokens / n_groups,
         "flat_shape": list(flat.shape), "packed_shape": list(packed.shape),
         "flat_forwarded": int(np.prod(flat.shape)), "packed_forwarded": int(np.prod(packed.shape)),
         "ideal_ratio": ideal, "flat_step_s": t_flat, "packed_step_s": t_pack, "speedup": t_flat / t_pack,
-        "efficiency": t_flat / t_pack / ideal,
+        "efficiency": t_flat / t_pack / ideal, **choice,
     }
 
 
@@ -167,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--patr-groups", type=int, default=16)
     ap.add_argument("--no-patr", action="store_true")
+    ap.add_argument("--prompt-cases", default="", help="P:A:B,... flat GRPO groups: a P-token prompt shared, "
+                    "own tokens in [A, B) (e.g. 200:150:700 Sokoban-like, 180:40:300 FrozenLake-like)")
+    ap.add_argument("--no-synthetic", action="store_true", help="skip the --factors cases")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--minibatches", type=int, default=4)
@@ -189,7 +229,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows, info = patr_rows(args.patr_groups)
         results.append({**run_case("patr default", rows, policy, **kw), "rollout": info})
         print(_row(results[-1]), flush=True)
-    for f in (float(x) for x in args.factors.split(",")):
+    for case in filter(None, args.prompt_cases.split(",")):
+        P, A, B = (int(x) for x in case.split(":"))
+        rows = prompt_rows(P, (A, B), groups=16, leaves=8, vocab=vocab)
+        results.append(run_case(f"prompt {P}, suffix {A}-{B}", rows, policy, **kw, trainer_buckets=True))
+        r = results[-1]
+        print(_row(r) + f"  estimated packed/flat {r['estimated_packed_over_flat']:.2f}: chooses {r['chosen']}, "
+              f"faster {r['faster']}", flush=True)
+    for f in () if args.no_synthetic else (float(x) for x in args.factors.split(",")):
         rows = synthetic_rows(f, groups=args.groups, leaves=args.leaves, suffix=args.suffix, vocab=vocab)
         results.append(run_case(f"synthetic f={f:g}", rows, policy, **kw))
         print(_row(results[-1]), flush=True)

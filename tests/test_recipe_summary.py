@@ -21,3 +21,4 @@ def test_summarize_reads_the_curve_and_splits_the_step_time(tmp_path):
     assert r["max_invalid_rate"] == pytest.approx(0.1) and r["wall_s"] == 30.0
     # sync ran on one step of two: not a phase of every step, left out
     assert r["seconds_per_step"] == {"rollout": 3.0, "learn": 6.0, "step": 10.0}
+
