@@ -184,6 +184,41 @@ def sokoban() -> str:
     return markdown_table(_only_variant(data)) + f"\n\nFrom {source('recipe_cpu_sokoban.json', data)}."
 
 
+#: the Sokoban recipes tried, in order: (results JSON, what ran)
+SOKOBAN_RECIPES = [
+    ("recipe_cpu_sokoban_patr.json", "PaTR + `leaf_grpo`, 30 steps, the learner before its layout choice"),
+    ("recipe_cpu_sokoban_flat30.json", "flat GRPO + `anchor_state` (the trainer's default), 30 steps"),
+    ("recipe_cpu_sokoban.json", "the same, 40 steps: `configs/sokoban.yaml`"),
+]
+
+
+def sokoban_recipes() -> str:
+    """Each Sokoban recipe tried: its gains per seed, their mean ± sample std and each run's
+    minutes (warm start included)."""
+    lines = ["| recipe | gains (points, seeds 0 / 1 / 2) | mean ± std | run minutes | source |", "|---|---|---|---|---|"]
+    for name, what in SOKOBAN_RECIPES:
+        data = load(name)
+        runs = [r for _, r in sorted(_only_variant(data)["seeds"].items())]
+        gains = _gains(_only_variant(data))
+        m, sd = mean_std(gains)
+        minutes = " / ".join(f"{r['wall_s'] / 60:.1f}" for r in runs)
+        lines.append(f"| {what} | {' / '.join(f'{g:+.1f}' for g in gains)} | {m:+.1f} ± {sd:.1f} | {minutes} "
+                     f"| {source(name, data)} |")
+    return "\n".join(lines)
+
+
+def learner_layout() -> str:
+    """The learner's layout choice against the measured step times (``benchmarks.learner --prompt-cases``)."""
+    data = load("learner_layout_cpu.json")
+    lines = ["| flat GRPO groups (16 x 8 leaves) | flat rows | packed rows | flat / packed tokens | flat step s "
+             "| packed step s | estimated packed / flat | chosen | faster |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        lines.append(f"| {r['case']} | {'x'.join(map(str, r['flat_shape']))} | {'x'.join(map(str, r['packed_shape']))} "
+                     f"| {r['ideal_ratio']:.2f} | {r['flat_step_s']:.1f} | {r['packed_step_s']:.1f} "
+                     f"| {r['estimated_packed_over_flat']:.2f} | {r['chosen']} | {r['faster']} |")
+    return "\n".join(lines) + f"\n\nFrom {source('learner_layout_cpu.json', data)}."
+
+
 def chaos() -> str:
     """The failure campaigns' table (``benchmarks.chaos``)."""
     from benchmarks.chaos import campaign_table
@@ -512,7 +547,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "serve": serve, "serve-h200": serve_h200, "learner-llm": learner_llm, "serve-warmup": serve_warmup,
     "proxy-tools": proxy_tools, "agent-learning": agent_learning, "gae-break-even": gae_break_even, "async-rl": async_rl,
     "recipe-history": recipe_history, "fuzz": fuzz, "kill-and-damage": kill_and_damage, "credit-default": credit_default, "credit-weak": credit_weak,
-    "headline": headline, "sokoban": sokoban, "chaos": chaos,
+    "headline": headline, "sokoban": sokoban, "sokoban-recipes": sokoban_recipes, "chaos": chaos,
+    "learner-layout": learner_layout,
     "frozenlake-default": frozenlake_default, "frozenlake-weak": frozenlake_weak,
 }
 
