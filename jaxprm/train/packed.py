@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jaxprm.learner.loss import behaviour_weights
 from jaxprm.learner.packed_loss import PackedAdvantages, pack_advantages, packed_logprobs, packed_policy_loss
 from jaxprm.learner.packing import DEFAULT_BLOCK_BUCKETS, PackedBatch
+from jaxprm.models.transformer import CAUSAL_CHUNK
 from jaxprm.train.step import TrainStep, jitted_for, minibatch_rows
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "packed_reference_logprobs", "packed_row_buckets",
@@ -55,8 +56,6 @@ def flat_score_entries(rows: int, length: int) -> int:
     """Score entries per head and layer of the flat forward of ``[rows, length]``: ``T^2`` per row,
     or with causal query chunks (``T >= 2 * CAUSAL_CHUNK``, ``Transformer``) ``sum_a (e - a) e``
     over the chunks ``[a, e)``."""
-    from jaxprm.models.transformer import CAUSAL_CHUNK
-
     T = int(length)
     if T < 2 * CAUSAL_CHUNK:
         return rows * T * T
