@@ -143,7 +143,7 @@ def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, ep
              micro_rows: int, trainer_buckets: bool = False) -> dict[str, Any]:
     """Flat and packed step times on ``rows``; ``trainer_buckets``: lay them out as the trainer does
     (its default length buckets, 128 flat rows) and report its layout choice."""
-    from jaxprm.train.packed import layout_costs
+    from jaxprm.train.packed import layout_costs, prefer_packed
     from jaxprm.train.schema import PPOConfig
 
     n_groups = len({r.group_id for r in rows})
@@ -173,8 +173,9 @@ def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, ep
     ideal = flat_tokens / packed_tokens
     flat_cost, packed_cost = layout_costs(policy.config, flat.shape, packed.shape,
                                           (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
-    choice = {"estimated_packed_over_flat": packed_cost / flat_cost, "chosen": "packed" if packed_cost < flat_cost
-              else "flat", "faster": "packed" if t_pack < t_flat else "flat"} if trainer_buckets else {}
+    choice = {"estimated_packed_over_flat": packed_cost / flat_cost,
+              "chosen": "packed" if prefer_packed(flat_cost, packed_cost) else "flat",
+              "faster": "packed" if t_pack < t_flat else "flat"} if trainer_buckets else {}
     return {
         "case": name, "groups": n_groups, "leaves": len(rows),
         "flat_tokens_per_group": flat_tokens / n_groups, "packed_tokens_per_group": packed_tokens / n_groups,

@@ -25,7 +25,7 @@ from jaxprm.train import adapters, multihost
 from jaxprm.train.compilation import BackgroundCompiler
 from jaxprm.train.config import TrainConfig
 from jaxprm.train.packed import (PackedTrainStep, layout_costs, packed_reference_logprobs, packed_row_buckets,
-                                 packed_step_inputs, precompile_neighbours)
+                                 packed_step_inputs, precompile_neighbours, prefer_packed)
 from jaxprm.train.policy import Policy
 from jaxprm.train.step import TrainStep, make_optimizer, reference_logprobs, shard_params, step_inputs
 from rollout.export import export_groups, export_groups_packed
@@ -125,8 +125,8 @@ class Learner:
 
     def _learn_packed(self, groups, step: int) -> dict[str, float]:
         """``rollout.export: tree_packed``: the groups exported flat (for ``compute_advantages``) and
-        packed (for the model); the step trains on the packed rows when ``layout_costs`` estimates
-        them cheaper than the flat ones, else on the flat rows."""
+        packed (for the model); the step trains on the packed rows unless ``layout_costs`` estimates
+        the flat ones clearly cheaper (``prefer_packed``)."""
         ppo = self.cfg.ppo
         batch, packed, meta = export_groups_packed(
             groups, row_buckets=(self.capacity,), len_buckets=tuple(ppo.len_buckets), min_rows=self.capacity,
@@ -134,7 +134,7 @@ class Learner:
         flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
         flat_cost, packed_cost = layout_costs(self.policy.config, batch.tokens.shape, packed.tokens.shape,
                                               (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
-        use_packed = packed_cost < flat_cost
+        use_packed = prefer_packed(flat_cost, packed_cost)
         batch = self._with_reference(batch, use_packed=use_packed, packed=packed)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
         key = self._key(step)

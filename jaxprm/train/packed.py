@@ -11,8 +11,9 @@ Minibatches split packed rows (whole trees) instead of leaves; with one minibatc
 the update equals the flat one. Denominators: the minibatch's (token, leaf) pairs for
 ``token-mean``, its leaves with an active token for the seq-mean modes.
 
-The trainer's ``Learner`` (``jaxprm.train.learner``) steps with it for this export when it is
-the cheaper layout for the step's shapes (``layout_costs``): packing forwards fewer tokens, but every
+The trainer's ``Learner`` (``jaxprm.train.learner``) steps with it for this export unless the
+flat rows are clearly cheaper for the step's shapes (``layout_costs``, ``prefer_packed``): packing
+forwards fewer tokens, but every
 attention block reads the keys of a whole root path (``R N Q S`` score entries against the flat
 rows' causal ``B T^2 / 2``-ish), through gathers and scatters. Flat groups whose leaves share only a
 short prompt (Sokoban: 1.4x fewer tokens packed, 1.3x more score entries) train on the flat rows;
@@ -40,8 +41,8 @@ from jaxprm.models.transformer import CAUSAL_CHUNK
 from jaxprm.train.step import TrainStep, jitted_for, minibatch_rows
 
 __all__ = ["PackedTrainStep", "packed_step_inputs", "packed_reference_logprobs", "packed_row_buckets",
-           "neighbour_shapes", "precompile_neighbours", "layout_costs", "flat_score_entries", "PACKED_OVERHEAD",
-           "SCORE_ENTRY_EXTRA"]
+           "neighbour_shapes", "precompile_neighbours", "layout_costs", "prefer_packed", "flat_score_entries",
+           "PACKED_OVERHEAD", "SCORE_ENTRY_EXTRA", "PACK_MARGIN"]
 
 #: the packed step's time per unit of work over the flat step's (block gathers and scatters, the
 #: transposed score layouts of the backward pass): 1.34x per score entry, 1.41x per token, fitted on the
@@ -50,6 +51,15 @@ PACKED_OVERHEAD = 1.35
 #: flop-equivalents of one attention score entry (per head and layer, one forward) beyond the
 #: ``4 * head_dim`` of its two products: the masked softmax's passes over memory (same fit)
 SCORE_ENTRY_EXTRA = 64
+#: a step packs unless its flat rows are estimated this much cheaper: switching layouts compiles a
+#: new learner program (seconds on a CPU), and the packed shapes are precompiled in the background;
+#: FrozenLake's default meets estimated ratios of ~1.03 in a few early steps
+PACK_MARGIN = 1.1
+
+
+def prefer_packed(flat_cost: float, packed_cost: float) -> bool:
+    """Whether a step trains on its packed rows: ``packed_cost < PACK_MARGIN * flat_cost``."""
+    return packed_cost < PACK_MARGIN * flat_cost
 
 
 def flat_score_entries(rows: int, length: int) -> int:

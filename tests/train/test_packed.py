@@ -216,11 +216,13 @@ def test_flat_score_entries_count_what_the_causal_chunks_form():
 def test_the_learner_packs_where_the_estimated_cost_is_lower(model, flat, packed, blocks, packs):
     from jaxprm.models import tiny_config
     from jaxprm.models.config import ModelConfig
-    from jaxprm.train.packed import layout_costs
+    from jaxprm.train.packed import layout_costs, prefer_packed
 
     config = tiny_config() if model == "tiny" else ModelConfig(
         family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_embeddings=True,
         max_position_embeddings=8192, param_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=2)
     flat_cost, packed_cost = layout_costs(config, flat, packed, blocks)
-    assert (packed_cost < flat_cost) == packs
+    assert prefer_packed(flat_cost, packed_cost) == packs
+    # a step within the margin keeps packing: FrozenLake's default meets ~1.03 in a few early steps
+    assert prefer_packed(1.0, 1.05) and not prefer_packed(1.0, 1.2)
