@@ -29,11 +29,8 @@ class HalfMissing(RuntimeError):
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _half_name(name: str, i: int) -> str:
@@ -49,7 +46,9 @@ def split(path: str | Path, dir_a: str | Path, dir_b: str | Path, sha_file: str 
         for i, (d, n) in enumerate(((Path(dir_a), (size + 1) // 2), (Path(dir_b), size // 2))):
             d.mkdir(parents=True, exist_ok=True)
             with (d / _half_name(path.name, i)).open("wb") as dst:
-                shutil.copyfileobj(_Limited(src, n), dst, CHUNK)
+                while n > 0 and (block := src.read(min(CHUNK, n))):
+                    dst.write(block)
+                    n -= len(block)
     digest = _sha256(path)
     Path(sha_file).write_text(f"{digest}  {path.name}\n")
     return digest
@@ -75,19 +74,6 @@ def join(dir_a: str | Path, dir_b: str | Path, sha_file: str | Path, out: str | 
         out.unlink()
         raise HalfMissing(f"the joined {name} has sha256 {got[:12]}..., not {digest[:12]}...: halves of different files")
     return out
-
-
-class _Limited:
-    """The next ``n`` bytes of a binary file, as a readable for ``shutil.copyfileobj``."""
-
-    def __init__(self, f, n: int) -> None:
-        self.f, self.left = f, n
-
-    def read(self, size: int = -1) -> bytes:
-        size = self.left if size < 0 else min(size, self.left)
-        data = self.f.read(size)
-        self.left -= len(data)
-        return data
 
 
 def main(argv: list[str] | None = None) -> int:

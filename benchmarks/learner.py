@@ -142,15 +142,18 @@ def prompt_rows(prompt: int, suffix: tuple[int, int], *, groups: int, leaves: in
 def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, epochs: int, minibatches: int,
              micro_rows: int, trainer_buckets: bool = False) -> dict[str, Any]:
     """Flat and packed step times on ``rows``; ``trainer_buckets``: lay them out as the trainer does
-    (its default length buckets, 128 flat rows) and report its layout choice."""
+    (its default length buckets and rows) and report its layout choice."""
+    from jaxprm.train.adapters import row_capacity
+    from jaxprm.train.config import TrainConfig
     from jaxprm.train.packed import layout_costs, prefer_packed
-    from jaxprm.train.schema import PPOConfig
 
     n_groups = len({r.group_id for r in rows})
-    ppo = PPOConfig()
+    trainer = TrainConfig()
+    ppo = trainer.ppo
     flat_len, packed_len = ((tuple(ppo.len_buckets), tuple(ppo.packed_len_buckets)) if trainer_buckets
                             else (LEN_BUCKETS, LEN_BUCKETS))
-    flat = jaxprm.pad_rows(rows, len_buckets=flat_len, min_rows=128 if trainer_buckets else minibatches * micro_rows)
+    flat = jaxprm.pad_rows(rows, len_buckets=flat_len,
+                           min_rows=row_capacity(trainer, 1) if trainer_buckets else minibatches * micro_rows)
     packed = jaxprm.pack_rows(rows, flat_shape=flat.shape, len_buckets=packed_len,
                               row_buckets=packed_row_buckets(minibatches))
     adv = jaxprm.compute_advantages(flat, jaxprm.AdvantageConfig(group_reward_norm=True)).advantages
@@ -171,8 +174,7 @@ def run_case(name: str, rows: list[RowData], policy: Policy, *, repeats: int, ep
     flat_tokens = int(np.asarray(flat.seq_lens).sum())
     packed_tokens = int(np.asarray(packed.lengths).sum())
     ideal = flat_tokens / packed_tokens
-    flat_cost, packed_cost = layout_costs(policy.config, flat.shape, packed.shape,
-                                          (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
+    flat_cost, packed_cost = layout_costs(policy.config, flat.shape, packed.shape, packed.block_shape)
     choice = {"estimated_packed_over_flat": packed_cost / flat_cost,
               "chosen": "packed" if prefer_packed(flat_cost, packed_cost) else "flat",
               "faster": "packed" if t_pack < t_flat else "flat"} if trainer_buckets else {}

@@ -198,8 +198,9 @@ def sokoban_recipes() -> str:
     lines = ["| recipe | gains (points, seeds 0 / 1 / 2) | mean ± std | run minutes | source |", "|---|---|---|---|---|"]
     for name, what in SOKOBAN_RECIPES:
         data = load(name)
-        runs = [r for _, r in sorted(_only_variant(data)["seeds"].items())]
-        gains = _gains(_only_variant(data))
+        variant = _only_variant(data)
+        runs = [r for _, r in sorted(variant["seeds"].items())]
+        gains = _gains(variant)
         m, sd = mean_std(gains)
         minutes = " / ".join(f"{r['wall_s'] / 60:.1f}" for r in runs)
         lines.append(f"| {what} | {' / '.join(f'{g:+.1f}' for g in gains)} | {m:+.1f} ± {sd:.1f} | {minutes} "

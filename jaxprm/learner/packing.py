@@ -88,6 +88,11 @@ class PackedBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)  # type: ignore[return-value]
 
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """``(N, Q, S)``: attention blocks per row, queries and keys per block."""
+        return (*self.query_blocks.shape[1:], self.key_blocks.shape[2])  # type: ignore[return-value]
+
     def replace(self, **changes) -> PackedBatch:
         return dataclasses.replace(self, **changes)
 

@@ -132,8 +132,7 @@ class Learner:
             groups, row_buckets=(self.capacity,), len_buckets=tuple(ppo.len_buckets), min_rows=self.capacity,
             packed_row_buckets=packed_row_buckets(self.row_multiple), packed_len_buckets=tuple(ppo.packed_len_buckets))
         flat_tokens, packed_tokens = int(batch.seq_lens.sum()), int(packed.lengths.sum())
-        flat_cost, packed_cost = layout_costs(self.policy.config, batch.tokens.shape, packed.tokens.shape,
-                                              (*packed.query_blocks.shape[1:], packed.key_blocks.shape[2]))
+        flat_cost, packed_cost = layout_costs(self.policy.config, batch.tokens.shape, packed.shape, packed.block_shape)
         use_packed = prefer_packed(flat_cost, packed_cost)
         batch = self._with_reference(batch, use_packed=use_packed, packed=packed)
         adv = jaxprm.compute_advantages(batch, self.adv_cfg)
