@@ -6,7 +6,8 @@
 
 Each run is ``python -m jaxprm.train [--config PATH] seed=S`` plus the variant's overrides
 (``default`` has none: the README command, or the ``--config`` file's recipe), in its own process, ``--parallel`` at a time; a run whose ``summary.json``
-exists is reused (resumable), after checking that its recorded ``config.yaml`` is the one the
+exists is reused and one cut off after a checkpoint is ``--resume``d (so the benchmark resumes
+across interrupted sessions), after checking that its recorded ``config.yaml`` is the one the
 variant asks for. Runs share one warm-start and compile cache (``$HOME/.cache/jaxprm``), so only
 the first run of a seed pays its warm start; learning does not depend on timing except through
 the sampler's dynamic batching (two runs of one seed agree for ~15 steps, then drift).
@@ -73,16 +74,27 @@ def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> 
         print(f"  note: {run_dir} predates {changed} (reused)", flush=True)
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether an unfinished run left a config and a checkpoint to ``--resume`` from."""
+    ckpt = run_dir / "checkpoints"
+    return (run_dir / "config.yaml").is_file() and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+
+
 def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) -> float:
     overrides = _overrides(run_dir, seed, extra)
     if (run_dir / "summary.json").is_file():
         _check_recorded(run_dir, overrides, config)
         return 0.0
-    if run_dir.exists():  # an unfinished run: start it again (the trainer would pick a new directory)
-        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     head = ["--config", config] if config else []
-    proc = subprocess.run([sys.executable, "-m", "jaxprm.train", *head, *overrides], capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "jaxprm.train", *head, *overrides]
+    if _has_checkpoint(run_dir):  # an unfinished run of this variant: resumed (bitwise the run it would have been)
+        _check_recorded(run_dir, overrides, config)
+        print(f"  resuming {run_dir}", flush=True)
+        cmd = [sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)]
+    elif run_dir.exists():  # cut off before its first checkpoint: started again (the trainer would pick a new directory)
+        shutil.rmtree(run_dir)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
@@ -110,6 +122,7 @@ def summarize(run_dir: Path) -> dict:
         "steps_over_optimal": [r.get("steps_over_optimal") for r in ev],
         "greedy_steps_over_optimal": [r.get("greedy_steps_over_optimal") for r in ev],
         "pass_at_k": [r.get(pk) for r in ev],
+        "invalid_rate": [r.get("invalid_rate") for r in ev],
         "max_invalid_rate": max((r.get("invalid_rate", 0.0) for r in tr), default=0.0),
         "entropy": [r.get("entropy") for r in tr],
         "approx_kl_max": max((r.get("approx_kl", 0.0) for r in tr), default=0.0),
@@ -121,7 +134,7 @@ def summarize(run_dir: Path) -> dict:
 
 
 _TABLE_METRICS = (("success", "sampled success"), ("greedy", "greedy success"), ("dead_rate", "dead-state rate"),
-                  ("steps_over_optimal", "steps over optimal (solved)"))
+                  ("steps_over_optimal", "steps over optimal (solved)"), ("invalid_rate", "invalid answers"))
 
 
 def markdown_table(variant: dict) -> str:

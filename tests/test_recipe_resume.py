@@ -1,0 +1,40 @@
+"""``benchmarks.recipe`` across interruptions: a finished run is reused, one cut off after a checkpoint
+is ``--resume``d, one cut off before any checkpoint is started again."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import recipe
+from jaxprm.train.rundir import read_metrics
+
+
+def test_only_a_run_with_a_config_and_a_numbered_checkpoint_is_resumable(tmp_path):
+    run = tmp_path / "run"
+    assert not recipe._has_checkpoint(run)
+    (run / "checkpoints" / "tmp").mkdir(parents=True)
+    assert not recipe._has_checkpoint(run)  # no config recorded yet
+    (run / "config.yaml").write_text("seed: 0\n")
+    assert not recipe._has_checkpoint(run)  # an orbax temporary, not a finished step
+    (run / "checkpoints" / "5").mkdir()
+    assert recipe._has_checkpoint(run)
+
+
+@pytest.mark.slow
+def test_a_run_cut_off_after_a_checkpoint_is_resumed_not_restarted(tmp_path, capsys):
+    """A real 2-step run; its last checkpoint and summary removed (as a run killed during step 2
+    leaves it); ``_run`` again resumes from step 1 and the rows are steps exactly 1..2."""
+    run = tmp_path / "run"
+    extra = ["env.train_tasks=16", "env.eval_tasks=2", "eval.num_tasks=2", "eval.samples=2", "eval.at_start=false",
+             "rollout.tasks_per_step=2", "rollout.group_size=4", "rollout.strategy=flat", "warm_start.enabled=false",
+             "checkpoint.every_steps=1", "checkpoint.async_save=false", "steps=2"]
+    recipe._run(run, 0, extra)
+    (run / "summary.json").unlink()
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "2")
+    recipe._run(run, 0, extra)
+    assert f"resuming {run}" in capsys.readouterr().out
+    assert (run / "summary.json").is_file() and (run / "config.resumes" / "1.yaml").is_file()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
+    assert recipe.summarize(run)["eval_steps"][-1] == 2
