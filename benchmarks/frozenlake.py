@@ -29,7 +29,7 @@ share of rolled-out groups with both a success and a failure, the only ones GRPO
 branches expanded / pruned at checkpoints. Writes ``results.json`` (every run's curve),
 ``table.md``, ``summary.json`` (the table's numbers, with the provenance) and ``success.png`` (success over steps with seed bands) under
 ``--out``. Finished runs are reused (delete a run directory to redo it); an interrupted run is
-restarted; ``--keep V ...`` takes those variants' rows from ``OUT/results.json`` of an earlier run
+resumed from its last checkpoint (started again if it had none); ``--keep V ...`` takes those variants' rows from ``OUT/results.json`` of an earlier run
 instead of running them. ``--jobs`` runs that many trainings at once (default: one per 2 cores),
 seed by seed (every variant of a seed before the next seed, so an interrupted comparison holds whole
 pairs); ``--few V ...`` runs those (secondary) variants on the first 3 seeds only. Pairs are matched
@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.recipe import has_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,6 +185,15 @@ def tasks_per_step(pilots: dict[str, float]) -> dict[str, int]:
 def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, extra: list[str]) -> dict:
     """One seed of one variant (reused when finished): its eval curve and what it spent."""
     run_dir = out / f"{variant}-s{seed}"
+    if not _finished(run_dir) and has_checkpoint(run_dir):  # cut off after a checkpoint: resumed (bitwise exact)
+        t0 = time.perf_counter()
+        log = out / f"{variant}-s{seed}.log"
+        with open(log, "a") as f:
+            proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)],
+                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"--resume {run_dir} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+        print(f"  {variant} seed {seed}: resumed, {time.perf_counter() - t0:.0f}s", flush=True)
     if not _finished(run_dir):
         _fresh(run_dir)
         t0 = time.perf_counter()

@@ -74,7 +74,7 @@ def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> 
         print(f"  note: {run_dir} predates {changed} (reused)", flush=True)
 
 
-def _has_checkpoint(run_dir: Path) -> bool:
+def has_checkpoint(run_dir: Path) -> bool:
     """Whether an unfinished run left a config and a checkpoint to ``--resume`` from."""
     ckpt = run_dir / "checkpoints"
     return (run_dir / "config.yaml").is_file() and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
@@ -88,7 +88,7 @@ def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) 
     t0 = time.perf_counter()
     head = ["--config", config] if config else []
     cmd = [sys.executable, "-m", "jaxprm.train", *head, *overrides]
-    if _has_checkpoint(run_dir):  # an unfinished run of this variant: resumed (bitwise the run it would have been)
+    if has_checkpoint(run_dir):  # an unfinished run of this variant: resumed (bitwise the run it would have been)
         _check_recorded(run_dir, overrides, config)
         print(f"  resuming {run_dir}", flush=True)
         cmd = [sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)]

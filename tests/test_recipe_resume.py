@@ -11,13 +11,13 @@ from jaxprm.train.rundir import read_metrics
 
 def test_only_a_run_with_a_config_and_a_numbered_checkpoint_is_resumable(tmp_path):
     run = tmp_path / "run"
-    assert not recipe._has_checkpoint(run)
+    assert not recipe.has_checkpoint(run)
     (run / "checkpoints" / "tmp").mkdir(parents=True)
-    assert not recipe._has_checkpoint(run)  # no config recorded yet
+    assert not recipe.has_checkpoint(run)  # no config recorded yet
     (run / "config.yaml").write_text("seed: 0\n")
-    assert not recipe._has_checkpoint(run)  # an orbax temporary, not a finished step
+    assert not recipe.has_checkpoint(run)  # an orbax temporary, not a finished step
     (run / "checkpoints" / "5").mkdir()
-    assert recipe._has_checkpoint(run)
+    assert recipe.has_checkpoint(run)
 
 
 @pytest.mark.slow
