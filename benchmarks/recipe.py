@@ -50,9 +50,7 @@ def _overrides(run_dir: Path, seed: int, extra: list[str]) -> list[str]:
 def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> None:
     """A reused run must have been made with this variant's config (up to the run keys); keys its
     ``config.yaml`` lacks were added after it was made and are noted, not failed."""
-    import dataclasses
-
-    from jaxprm.train.config import load_config
+    from jaxprm.train.config import load_config, to_dict
     from jaxprm.train.resume import changed_keys
 
     got = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -65,7 +63,7 @@ def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> 
             node = node[part]
         return True
 
-    changed = [k for k, _, _ in changed_keys(got, dataclasses.asdict(load_config(config, overrides)))
+    changed = [k for k, _, _ in changed_keys(got, to_dict(load_config(config, overrides)))
                if k not in _RUN_KEYS]
     diff = [k for k in changed if recorded(k)]
     if diff:
