@@ -13,10 +13,9 @@
 #               runs at once on the one GPU, benchmarks.recipe over configs/smollm2_frozenlake.yaml
 #               with a run's steps cut to fit (issue 39); JSON + every run's metrics
 # Measured on an H200 (2026-12-04): serve 168 s, break_even ~60 s, kernels at 3 sizes 72 s; the
-# PaTR warm start did not finish in 158 s. The smollm2 section has not run on a GPU yet; a CPU dry
-# run (2026-12-07, 1 step) went through, and showed configs/smollm2_frozenlake.yaml's untuned model
-# answering invalidly on every turn (it has no warm start yet), so as it stands it measures cost more
-# than learning.
+# PaTR warm start did not finish in 158 s. The smollm2 section has not run on a GPU yet. Both of its
+# arms start from configs/smollm2_frozenlake.yaml's cached LoRA SFT warm start (its first run pays
+# it; the untuned instruct model answered invalidly on every turn of a 2026-12-07 CPU dry run).
 #
 # The 98 MB GGUF is over what one call carries (64 MiB with the tree), so it travels in two halves
 # in two calls made one right after the other; `bash benchmarks/lent_gpu_prepare.sh` makes
@@ -83,7 +82,7 @@ if wants smollm2; then
     CUT="model.name=$GGUF,steps=$SMOLLM2_STEPS,eval.every_steps=4,eval.num_tasks=32,checkpoint.every_steps=1000${SMOLLM2_EXTRA:+,$SMOLLM2_EXTRA}"
     section smollm2 95 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 $PY -m benchmarks.recipe \
       --config configs/smollm2_frozenlake.yaml --seeds $SMOLLM2_SEEDS --parallel $SMOLLM2_PARALLEL --out /tmp/smollm2_runs \
-      --variant "flat=$CUT,rollout.strategy=flat" --variant "patr=$CUT" --json "$OUT/smollm2_gpu.json"
+      --variant "flat=$CUT,rollout.strategy=flat" --variant "patr=$CUT,rollout.strategy=patr" --json "$OUT/smollm2_gpu.json"
     # every run's metrics, also when the section was cut off before its JSON (not its checkpoints)
     (cd /tmp && find smollm2_runs \( -name metrics.jsonl -o -name config.yaml -o -name summary.json \) -print \
       | tar czf "$OUT/smollm2_runs.tgz" -T -)
