@@ -5,11 +5,13 @@
                                 [--variant NAME=key.sub=value,key.sub=value ...] [--json PATH]
 
 Each run is ``python -m jaxprm.train [--config PATH] seed=S`` plus the variant's overrides
-(``default`` has none: the README command, or the ``--config`` file's recipe), in its own process, ``--parallel`` at a time; a run whose ``summary.json``
-exists is reused and one cut off after a checkpoint is ``--resume``d (so the benchmark resumes
-across interrupted sessions), after checking that its recorded ``config.yaml`` is the one the
-variant asks for. Runs share one warm-start and compile cache (``$HOME/.cache/jaxprm``), so only
-the first run of a seed pays its warm start; learning does not depend on timing except through
+(``default`` has none: the README command, or the ``--config`` file's recipe), in its own
+process, ``--parallel`` at a time; a run whose ``summary.json`` exists is reused and one cut off
+after a checkpoint is ``--resume``d (so the benchmark resumes across interrupted sessions), after
+checking that its recorded ``config.yaml`` is the one the variant asks for. A run's output goes to
+``OUT/VARIANT/sSEED.log``; a failed run is reported when it ends, the others go on, and the
+command then exits non-zero naming it. Runs share one warm-start and compile cache
+(``$HOME/.cache/jaxprm``), so only the first run of a seed pays its warm start; learning does not depend on timing except through
 the sampler's dynamic batching (two runs of one seed agree for ~15 steps, then drift).
 
 Prints, per variant and seed, held-out sampled success at each eval, its gain, greedy success and
@@ -92,9 +94,14 @@ def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) 
         cmd = [sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)]
     elif run_dir.exists():  # cut off before its first checkpoint: started again (the trainer would pick a new directory)
         shutil.rmtree(run_dir)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run_dir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    log = run_dir.with_name(run_dir.name + ".log")  # beside the run: the trainer owns run_dir
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        why = " (killed by the kernel: most often out of memory)" if rc == -9 else ""
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{run_dir} failed (exit {rc}){why}; its output is in {log}:\n{tail}")
     return time.perf_counter() - t0
 
 
@@ -177,10 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         futs = {job: pool.submit(_run, out / job[0] / f"s{job[1]}", job[1], variants[job[0]], args.config)
                 for job in jobs}
+        failed = []
         for (name, seed), f in futs.items():
-            secs = f.result()
+            try:
+                secs = f.result()
+            except RuntimeError as e:  # reported now; the other runs go on
+                print(f"  {name} seed {seed}: {e}", file=sys.stderr, flush=True)
+                failed.append(f"{name} seed {seed}")
+                continue
             if secs:
                 print(f"  {name} seed {seed}: {secs:.0f}s", flush=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}; rerun the same command to retry "
+                         "them (finished runs are reused)")
 
     results: dict[str, dict] = {}
     print(f"\n{'variant':<12}{'seed':>5}  {'held-out sampled success per eval':<36}{'gain':>7}"

@@ -38,3 +38,13 @@ def test_a_run_cut_off_after_a_checkpoint_is_resumed_not_restarted(tmp_path, cap
     assert (run / "summary.json").is_file() and (run / "config.resumes" / "1.yaml").is_file()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
     assert recipe.summarize(run)["eval_steps"][-1] == 2
+
+
+def test_a_failed_run_is_reported_with_its_log_and_fails_the_command(tmp_path, capsys):
+    """A run the trainer rejects (a bad config value) does not stop the others silently: the
+    failure is printed with the run's log path and the command exits non-zero naming the run."""
+    with pytest.raises(SystemExit, match=r"1 run\(s\) failed: bad seed 0"):
+        recipe.main(["--seeds", "0", "--variant", "bad=env.size=-1", "--out", str(tmp_path)])
+    log = tmp_path / "bad" / "s0.log"
+    assert "env.size" in log.read_text()
+    assert str(log) in capsys.readouterr().err
