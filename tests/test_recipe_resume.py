@@ -3,9 +3,12 @@ is ``--resume``d, one cut off before any checkpoint is started again."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import recipe
+from benchmarks.keep_runs import keep_runs
 from jaxprm.train.rundir import read_metrics
 
 
@@ -38,6 +41,12 @@ def test_a_run_cut_off_after_a_checkpoint_is_resumed_not_restarted(tmp_path, cap
     assert (run / "summary.json").is_file() and (run / "config.resumes" / "1.yaml").is_file()
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"] == [1, 2]
     assert recipe.summarize(run)["eval_steps"][-1] == 2
+    # kept without its checkpoints (benchmarks.keep_runs), the finished run is reused, not rerun
+    kept = tmp_path / "kept"
+    assert keep_runs(tmp_path, kept) == [Path("run")]
+    assert not (kept / "run" / "checkpoints").exists()
+    assert recipe._run(kept / "run", 0, extra) == 0.0
+    assert recipe.summarize(kept / "run") == recipe.summarize(run)
 
 
 def test_a_failed_run_is_reported_with_its_log_and_fails_the_command(tmp_path, capsys):
@@ -48,3 +57,21 @@ def test_a_failed_run_is_reported_with_its_log_and_fails_the_command(tmp_path, c
     log = tmp_path / "bad" / "s0.log"
     assert "env.size" in log.read_text()
     assert str(log) in capsys.readouterr().err
+
+
+def test_keep_runs_copies_finished_runs_small_files_only(tmp_path):
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    done, cut = out / "default" / "s0", out / "default" / "s1"
+    for run in (done, cut):
+        (run / "checkpoints" / "5").mkdir(parents=True)
+        (run / "checkpoints" / "5" / "state").write_text("x")
+        (run / "metrics.jsonl").write_text("{}\n")
+        (run / "config.yaml").write_text("seed: 0\n")
+    (done / "summary.json").write_text("{}")
+    (done / "config.resumes").mkdir()
+    (done / "config.resumes" / "5.yaml").write_text("seed: 0\n")
+    (out / "summary.json").write_text("{}")  # a benchmark's own summary, not a run
+    assert keep_runs(out, kept) == [Path("default/s0")]
+    got = sorted(str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file())
+    assert got == ["default/s0/config.resumes/5.yaml", "default/s0/config.yaml", "default/s0/metrics.jsonl",
+                   "default/s0/summary.json"]
