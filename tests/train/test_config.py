@@ -55,7 +55,9 @@ def test_expected_example_configs_exist(tmp_path):
     progress = load_config(ROOT / "configs/progress_prm.yaml")
     assert progress.prm.active and progress.prm.scorers[0].kwargs == {"mode": "delta"}
     assert load_config(ROOT / "configs/default.yaml").env.system_prompt == "compact"
-    assert load_config(ROOT / "configs/smollm2_frozenlake.yaml").env.system_prompt == "full"
+    assert load_config(ROOT / "configs/smollm2_sokoban.yaml").env.system_prompt == "full"  # no warm start
+    smollm2 = load_config(ROOT / "configs/smollm2_frozenlake.yaml")  # the CPU recipe: LoRA + SFT warm start
+    assert smollm2.model.lora.rank > 0 and smollm2.warm_start.enabled and smollm2.env.system_prompt == "compact"
     judge = load_config(ROOT / "configs/patr_judge.yaml").rollout.branch_scorer
     assert judge.path == "scorers.LLMJudgeScorer" and judge.kwargs["judge_weight"] == 0.7
     prm = load_config(ROOT / "configs/patr_prm.yaml", [_prm_tokenizer(tmp_path)]).rollout.branch_scorer
