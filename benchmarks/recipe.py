@@ -11,8 +11,9 @@ after a checkpoint is ``--resume``d (so the benchmark resumes across interrupted
 checking that its recorded ``config.yaml`` is the one the variant asks for. A run's output goes to
 ``OUT/VARIANT/sSEED.log``; a failed run is reported when it ends, the others go on, and the
 command then exits non-zero naming it. Runs share one warm-start and compile cache
-(``$HOME/.cache/jaxprm``), so only the first run of a seed pays its warm start; learning does not depend on timing except through
-the sampler's dynamic batching (two runs of one seed agree for ~15 steps, then drift).
+(``$HOME/.cache/jaxprm``), so only the first run of a seed pays its warm start; learning does not
+depend on timing except through the sampler's dynamic batching (two runs of one seed agree for ~15
+steps, then drift). ``benchmarks.keep_runs`` keeps finished runs for a later session.
 
 Prints, per variant and seed, held-out sampled success at each eval, its gain, greedy success and
 pass@k first -> last and the largest train-step invalid-answer rate; then the gain's mean ± sample
