@@ -1,5 +1,6 @@
 """What the benchmarks share: loopback ports, waiting for a spawned server's ``/health``, the
-scripted upstream (``python -m rollout.testing``), process samples and the machine's load.
+scripted upstream (``python -m rollout.testing``), process samples, the machine's load, and
+trainings in processes of their own (``train_process``, ``has_checkpoint``).
 
 Each benchmark keeps its own argparse and table; its JSON goes through
 ``benchmarks.provenance.write_result``, by default to ``result_path(bench)``
@@ -14,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["free_port", "wait_healthy", "start_scripted_upstream", "proc_sample", "loadavg"]
+__all__ = ["free_port", "wait_healthy", "start_scripted_upstream", "proc_sample", "loadavg", "train_process",
+           "has_checkpoint"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +73,25 @@ def proc_sample(pid: int) -> dict[str, float]:
 def loadavg() -> list[float]:
     """``os.getloadavg()`` rounded (this machine is shared: numbers are compared with it beside them)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def train_process(args: list[str], log: Path, *, cwd: Path | None = None) -> float:
+    """``python -m jaxprm.train *args`` in a process of its own (compiled programs of earlier runs
+    would otherwise pile up in the caller), its output appended to ``log``; returns its seconds.
+    A failure raises ``RuntimeError`` with the log's tail and path (SIGKILL: most often memory)."""
+    t0 = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        rc = subprocess.run([sys.executable, "-m", "jaxprm.train", *args], stdout=f, stderr=subprocess.STDOUT,
+                            cwd=cwd).returncode
+    if rc != 0:
+        why = " (killed by the kernel: most often out of memory)" if rc == -9 else ""
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"jaxprm.train {' '.join(args)} failed (exit {rc}){why}; its output is in {log}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether an unfinished run left a config and a checkpoint to ``--resume`` from."""
+    ckpt = run_dir / "checkpoints"
+    return (run_dir / "config.yaml").is_file() and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())

@@ -44,15 +44,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.recipe import has_checkpoint
+from benchmarks._harness import has_checkpoint, train_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,16 +88,10 @@ PAPER = {
 }
 
 
-def _train(config: str, run_dir: Path, overrides: list[str], log: Path) -> None:
-    """One training in its own process (compiled programs of earlier runs would otherwise pile up in
-    this one); its output goes to ``log``."""
-    cmd = [sys.executable, "-m", "jaxprm.train", "--config", str(ROOT / config), f"run_dir={run_dir}",
-           "progress=false", "export_final=false", *overrides]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    if proc.returncode != 0:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{tail}")
+def _train(config: str, run_dir: Path, overrides: list[str], log: Path) -> float:
+    """One training in its own process (``train_process``), its output in ``log``; its seconds."""
+    return train_process(["--config", str(ROOT / config), f"run_dir={run_dir}", "progress=false", "export_final=false",
+                   *overrides], log, cwd=ROOT)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -186,23 +178,16 @@ def run_one(variant: str, seed: int, tasks: int, out: Path, steps: int | None, e
     """One seed of one variant (reused when finished): its eval curve and what it spent."""
     run_dir = out / f"{variant}-s{seed}"
     if not _finished(run_dir) and has_checkpoint(run_dir):  # cut off after a checkpoint: resumed (bitwise exact)
-        t0 = time.perf_counter()
-        log = out / f"{variant}-s{seed}.log"
-        with open(log, "a") as f:
-            proc = subprocess.run([sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)],
-                                  stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"--resume {run_dir} failed (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
-        print(f"  {variant} seed {seed}: resumed, {time.perf_counter() - t0:.0f}s", flush=True)
+        secs = train_process(["--resume", str(run_dir)], out / f"{variant}-s{seed}.log", cwd=ROOT)
+        print(f"  {variant} seed {seed}: resumed, {secs:.0f}s", flush=True)
     if not _finished(run_dir):
         _fresh(run_dir)
-        t0 = time.perf_counter()
         overrides = [f"seed={seed}", f"env.seed={seed}", f"rollout.tasks_per_step={tasks}",
                      *VARIANT_OVERRIDES.get(variant, []), *extra]
         if steps is not None:
             overrides.append(f"steps={steps}")
-        _train(VARIANTS[variant], run_dir, overrides, out / f"{variant}-s{seed}.log")
-        print(f"  {variant} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
+        secs = _train(VARIANTS[variant], run_dir, overrides, out / f"{variant}-s{seed}.log")
+        print(f"  {variant} seed {seed}: {secs:.0f}s", flush=True)
     rows = _rows(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     ev = [r for r in rows if r["kind"] == "eval"]

@@ -28,13 +28,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
+
+from benchmarks._harness import has_checkpoint, train_process
 
 _RUN_KEYS = ("run_dir", "progress", "plots", "export_final", "seed")
 
@@ -75,35 +75,19 @@ def _check_recorded(run_dir: Path, overrides: list[str], config: str | None) -> 
         print(f"  note: {run_dir} predates {changed} (reused)", flush=True)
 
 
-def has_checkpoint(run_dir: Path) -> bool:
-    """Whether an unfinished run left a config and a checkpoint to ``--resume`` from."""
-    ckpt = run_dir / "checkpoints"
-    return (run_dir / "config.yaml").is_file() and ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
-
-
 def _run(run_dir: Path, seed: int, extra: list[str], config: str | None = None) -> float:
     overrides = _overrides(run_dir, seed, extra)
     if (run_dir / "summary.json").is_file():
         _check_recorded(run_dir, overrides, config)
         return 0.0
-    t0 = time.perf_counter()
-    head = ["--config", config] if config else []
-    cmd = [sys.executable, "-m", "jaxprm.train", *head, *overrides]
+    args = [*(["--config", config] if config else []), *overrides]
     if has_checkpoint(run_dir):  # an unfinished run of this variant: resumed (bitwise the run it would have been)
         _check_recorded(run_dir, overrides, config)
         print(f"  resuming {run_dir}", flush=True)
-        cmd = [sys.executable, "-m", "jaxprm.train", "--resume", str(run_dir)]
+        args = ["--resume", str(run_dir)]
     elif run_dir.exists():  # cut off before its first checkpoint: started again (the trainer would pick a new directory)
         shutil.rmtree(run_dir)
-    log = run_dir.with_name(run_dir.name + ".log")  # beside the run: the trainer owns run_dir
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("a") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        why = " (killed by the kernel: most often out of memory)" if rc == -9 else ""
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{run_dir} failed (exit {rc}){why}; its output is in {log}:\n{tail}")
-    return time.perf_counter() - t0
+    return train_process(args, run_dir.with_name(run_dir.name + ".log"))  # beside the run: the trainer owns run_dir
 
 
 _PHASES = ("rollout_s", "score_s", "learn_s", "sync_s", "compile_s", "step_s")

@@ -3,24 +3,26 @@ is ``--resume``d, one cut off before any checkpoint is started again."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from benchmarks import recipe
+from benchmarks._harness import has_checkpoint
 from benchmarks.keep_runs import keep_runs
 from jaxprm.train.rundir import read_metrics
 
 
 def test_only_a_run_with_a_config_and_a_numbered_checkpoint_is_resumable(tmp_path):
     run = tmp_path / "run"
-    assert not recipe.has_checkpoint(run)
+    assert not has_checkpoint(run)
     (run / "checkpoints" / "tmp").mkdir(parents=True)
-    assert not recipe.has_checkpoint(run)  # no config recorded yet
+    assert not has_checkpoint(run)  # no config recorded yet
     (run / "config.yaml").write_text("seed: 0\n")
-    assert not recipe.has_checkpoint(run)  # an orbax temporary, not a finished step
+    assert not has_checkpoint(run)  # an orbax temporary, not a finished step
     (run / "checkpoints" / "5").mkdir()
-    assert recipe.has_checkpoint(run)
+    assert has_checkpoint(run)
 
 
 @pytest.mark.slow
@@ -33,8 +35,6 @@ def test_a_run_cut_off_after_a_checkpoint_is_resumed_not_restarted(tmp_path, cap
              "checkpoint.every_steps=1", "checkpoint.async_save=false", "steps=2"]
     recipe._run(run, 0, extra)
     (run / "summary.json").unlink()
-    import shutil
-
     shutil.rmtree(run / "checkpoints" / "2")
     recipe._run(run, 0, extra)
     assert f"resuming {run}" in capsys.readouterr().out
